@@ -1,0 +1,95 @@
+"""Hugging Face directories <-> (ModelConfig, Flax params), offline, via safetensors."""
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from specroll_jax.config import ModelConfig
+
+_LINEAR = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
+           'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
+
+
+def tensor_layout(config: ModelConfig) -> dict:
+  """HF tensor name -> (Flax param path, HF shape, whether HF stores it transposed)."""
+  c = config
+  q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  out_in = {'self_attn.q_proj': (q_out, c.hidden_size), 'self_attn.k_proj': (kv_out, c.hidden_size),
+            'self_attn.v_proj': (kv_out, c.hidden_size), 'self_attn.o_proj': (c.hidden_size, q_out),
+            'mlp.gate_proj': (c.intermediate_size, c.hidden_size),
+            'mlp.up_proj': (c.intermediate_size, c.hidden_size),
+            'mlp.down_proj': (c.hidden_size, c.intermediate_size)}
+  layout = {'model.embed_tokens.weight': (('embed_tokens', 'embedding'),
+                                          (c.vocab_size, c.hidden_size), False),
+            'model.norm.weight': (('norm', 'weight'), (c.hidden_size,), False)}
+  if not c.tie_word_embeddings:
+    layout['lm_head.weight'] = (('lm_head', 'kernel'), (c.vocab_size, c.hidden_size), True)
+  for i in range(c.num_layers):
+    prefix, layer = f'model.layers.{i}.', f'layers_{i}'
+    for norm in ('input_layernorm', 'post_attention_layernorm'):
+      layout[prefix + norm + '.weight'] = ((layer, norm, 'weight'), (c.hidden_size,), False)
+    for name in _LINEAR:
+      module, proj = name.split('.')
+      layout[prefix + name + '.weight'] = ((layer, module, proj, 'kernel'), out_in[name], True)
+      if c.qkv_bias and proj in ('q_proj', 'k_proj', 'v_proj'):
+        layout[prefix + name + '.bias'] = ((layer, module, proj, 'bias'), out_in[name][:1], False)
+  return layout
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+  index = directory / 'model.safetensors.index.json'
+  if index.is_file():
+    names = sorted(set(json.loads(index.read_text())['weight_map'].values()))
+    files = [directory / n for n in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+      raise FileNotFoundError(f'{index}: lists shard files that do not exist: {missing}')
+    return files
+  files = sorted(directory.glob('*.safetensors'))
+  if not files:
+    raise FileNotFoundError(f'{directory}: no *.safetensors weight files found')
+  return files
+
+
+def load_params(directory: Path, config: ModelConfig) -> dict:
+  """Reads every weight the config needs, checking names and shapes, cast to config dtype."""
+  layout = tensor_layout(config)
+  flat = {}
+  for file in _safetensors_files(directory):
+    with safe_open(str(file), framework='numpy') as f:
+      for name in f.keys():
+        if name not in layout:
+          continue  # e.g. a tied lm_head.weight or rotary buffers: not parameters here.
+        path, shape, transposed = layout[name]
+        tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != shape:
+          raise ValueError(f'{file}: tensor {name!r} has shape {tuple(tensor.shape)}, '
+                           f'config.json implies {shape}')
+        tensor = np.asarray(tensor, dtype=np.float32)
+        flat[path] = jnp.asarray(tensor.T if transposed else tensor, dtype=config.jnp_dtype)
+  missing = [name for name, (path, _, _) in layout.items() if path not in flat]
+  if missing:
+    shown = ', '.join(missing[:5]) + (' ...' if len(missing) > 5 else '')
+    raise ValueError(f'{directory}: {len(missing)} tensor(s) missing from the safetensors '
+                     f'files: {shown}')
+  return traverse_util.unflatten_dict(flat)
+
+
+def save_params(directory: Path, config: ModelConfig, params: dict) -> None:
+  """Writes config.json and model.safetensors in HF layout (loadable by transformers)."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  flat = traverse_util.flatten_dict(params)
+  tensors = {}
+  for name, (path, _, transposed) in tensor_layout(config).items():
+    value = flat[path]
+    tensors[name] = jnp.asarray(value.T if transposed else value)
+  # Write to a temporary name first so an interrupted save never leaves a torn checkpoint.
+  tmp = directory / 'model.safetensors.tmp'
+  save_file(tensors, str(tmp), metadata={'format': 'pt'})
+  tmp.replace(directory / 'model.safetensors')
+  (directory / 'config.json').write_text(json.dumps(config.to_hf_dict(), indent=2) + '\n')

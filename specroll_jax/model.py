@@ -1,0 +1,146 @@
+"""Pure-functional Flax decoder for the Llama and Qwen2 families.
+
+One forward serves every use: a block of tokens with explicit positions attends to the
+cached prefix of its row plus the block itself through an explicit block mask (see
+attention.py). It returns the final post-norm hidden states and the block's keys/values;
+the caller decides what to commit to the cache (kv_cache.commit) and which hidden states
+to project to logits (`Transformer.project`).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specroll_jax.attention import block_attention
+from specroll_jax.config import ModelConfig, rope_inverse_frequencies
+from specroll_jax.kv_cache import BlockKV, KVCache
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param('weight', nn.initializers.ones, (x.shape[-1],), self.dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight * x32.astype(self.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotary embedding in the HF 'rotate_half' layout; x: [B, T, H, Dh], positions: [B, T]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+  attention_fn: object
+
+  @nn.compact
+  def __call__(self, x, positions, block_mask, k_cache, v_cache, cache_lengths):
+    c = self.config
+    dense = lambda features, bias, name: nn.Dense(
+        features, use_bias=bias, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, name=name)
+    batch, t_len, _ = x.shape
+    q = dense(c.num_heads * c.head_dim, c.qkv_bias, 'q_proj')(x)
+    k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, 'k_proj')(x)
+    v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, 'v_proj')(x)
+    q = q.reshape(batch, t_len, c.num_heads, c.head_dim)
+    k = k.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
+    v = v.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
+    inv_freq = rope_inverse_frequencies(c)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
+                            scale=c.head_dim ** -0.5)
+    out = dense(c.hidden_size, False, 'o_proj')(out.reshape(batch, t_len, -1))
+    return out, k, v
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    dense = lambda features, name: nn.Dense(
+        features, use_bias=False, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, name=name)
+    gate = dense(c.intermediate_size, 'gate_proj')(x)
+    up = dense(c.intermediate_size, 'up_proj')(x)
+    return dense(c.hidden_size, 'down_proj')(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  config: ModelConfig
+  attention_fn: object
+
+  @nn.compact
+  def __call__(self, x, positions, block_mask, k_cache, v_cache, cache_lengths):
+    c = self.config
+    h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='input_layernorm')(x)
+    attn, k, v = Attention(c, self.attention_fn, name='self_attn')(
+        h, positions, block_mask, k_cache, v_cache, cache_lengths)
+    x = x + attn
+    h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='post_attention_layernorm')(x)
+    return x + MLP(c, name='mlp')(h), k, v
+
+
+class Transformer(nn.Module):
+  """Decoder; `__call__` runs a query block, `project` maps hidden states to logits."""
+  config: ModelConfig
+  attention_fn: object = block_attention
+
+  def setup(self):
+    c = self.config
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
+                                 param_dtype=c.jnp_dtype)
+    self.layers = [DecoderLayer(c, self.attention_fn, name=f'layers_{i}')
+                   for i in range(c.num_layers)]
+    self.norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.jnp_dtype,
+                              param_dtype=c.jnp_dtype)
+
+  def __call__(self, tokens, positions, block_mask, cache: KVCache | None = None):
+    """Runs a block of tokens [B, T] at `positions` [B, T] with `block_mask` [B, T, T].
+
+    Returns (hidden [B, T, D] after the final norm, BlockKV of the block).
+    """
+    c = self.config
+    batch = tokens.shape[0]
+    if cache is None:
+      empty = jnp.zeros((c.num_layers, batch, 0, c.num_kv_heads, c.head_dim), c.jnp_dtype)
+      cache = KVCache(k=empty, v=empty, lengths=jnp.zeros((batch,), jnp.int32))
+    x = self.embed_tokens(tokens)
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      x, k, v = layer(x, positions, block_mask, cache.k[i], cache.v[i], cache.lengths)
+      ks.append(k)
+      vs.append(v)
+    return self.norm(x), BlockKV(k=jnp.stack(ks), v=jnp.stack(vs))
+
+  def project(self, hidden):
+    """float32 logits through the (possibly tied) vocabulary projection."""
+    if self.config.tie_word_embeddings:
+      logits = self.embed_tokens.attend(hidden)
+    else:
+      logits = self.lm_head(hidden)
+    return logits.astype(jnp.float32)
+
+
+def vocab_projection(params, config: ModelConfig) -> jax.Array:
+  """The projection matrix W [V, D] that the horizon heads share with the policy."""
+  if config.tie_word_embeddings:
+    return params['embed_tokens']['embedding']
+  return params['lm_head']['kernel'].T
+
+
+def causal_mask(valid: jax.Array) -> jax.Array:
+  """[B, T] validity -> [B, T, T] causal mask that also hides padded keys."""
+  t_len = valid.shape[1]
+  tril = jnp.tril(jnp.ones((t_len, t_len), bool))
+  return tril[None] & valid[:, None, :]

@@ -1,0 +1,150 @@
+"""Binary correctness rewards for GSM8K, MATH and DAPO completions.
+
+`score` returns 1.0 when the completion's final answer matches the gold answer and
+0.0 otherwise (no answer, wrong answer, unparseable answer). It never raises on
+model text: a reward function that crashes would kill a training run.
+
+GSM8K answers are plain numbers, so they are compared exactly as fractions. MATH and
+DAPO answers are LaTeX, compared with math-verify (symbolic and numeric equivalence,
+sets, intervals, units, ...).
+
+math-verify bounds its own work with SIGALRM, which only works in the main thread
+(elsewhere it raises). Off the main thread we therefore run the check in a spawned
+worker process, where it is the main thread again, and kill that worker if it
+overruns: a sympy blow-up such as 10^{10^{10}} must not stall a rollout thread.
+"""
+from fractions import Fraction
+import multiprocessing
+import re
+import threading
+
+import math_verify
+
+KINDS = ('gsm8k', 'math', 'dapo')
+
+# Per parse/compare step inside math-verify (SIGALRM takes whole seconds).
+_TIMEOUT_S = 2
+# Off the main thread: the worker's whole check (two parses, a few compares).
+_WORKER_TIMEOUT_S = 6 * _TIMEOUT_S
+
+_BOXED = re.compile(r'\\(?:boxed|fbox)\s*')
+_NUMBER = re.compile(r'-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?')
+_LATEX_FRAC = re.compile(r'\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}')
+_THOUSANDS_COMMA = re.compile(r'(?<=\d),(?=\d{3}(?!\d))')
+
+
+def last_boxed(text: str) -> str | None:
+  """Content of the last \\boxed{...} (or \\fbox{...}) in text, braces balanced.
+
+  An unclosed last box (a truncated generation) gives None rather than an older box:
+  the model had not finished its final answer.
+  """
+  matches = list(_BOXED.finditer(text))
+  if not matches:
+    return None
+  start = matches[-1].end()
+  if not text.startswith('{', start):
+    # `\boxed 5`: TeX takes the next token as the argument.
+    token = re.match(r'[^\s$]+', text[start:])
+    return token.group(0) if token else None
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == '{':
+      depth += 1
+    elif text[i] == '}':
+      depth -= 1
+      if depth == 0:
+        content = text[start + 1:i].strip()
+        return content or None
+  return None
+
+
+def _gsm8k_number(text: str) -> str | None:
+  """First number in text, with money/percent signs, units and thousands commas gone."""
+  text = text.replace('\u2212', '-').replace('{,}', ',')
+  text = re.sub(r'\\?[$%]|\\!', '', text)
+  text = _THOUSANDS_COMMA.sub('', text)
+  text = _LATEX_FRAC.sub(r'\1/\2', text)
+  match = _NUMBER.search(text)
+  if not match:
+    return None
+  number = match.group(0)
+  try:
+    Fraction(number)
+  except (ValueError, ZeroDivisionError):
+    return None
+  return number
+
+
+def extract_answer(completion: str, kind: str) -> str | None:
+  """The final answer a grader would read from completion, or None if there is none.
+
+  gsm8k: the number after the last '####' (else in the last \\boxed{}), normalised to
+  a plain number string such as '-1234.5' or '3/4'. math/dapo: the raw LaTeX inside
+  the last \\boxed{}.
+  """
+  _check_kind(kind)
+  if kind != 'gsm8k':
+    return last_boxed(completion)
+  if '####' in completion:
+    after = completion.rsplit('####', 1)[1].strip()
+    return _gsm8k_number(after.split('\n', 1)[0]) if after else None
+  boxed = last_boxed(completion)
+  return _gsm8k_number(boxed) if boxed else None
+
+
+def score(completion: str, answer: str, kind: str) -> float:
+  """1.0 if completion's final answer equals the gold answer, else 0.0.
+
+  For gsm8k, answer may be the bare number or a full GSM8K solution ending in
+  '#### n'; for math/dapo it is the gold LaTeX answer (without $ or \\boxed).
+  Raises ValueError only for an unknown kind or an unreadable gsm8k gold answer.
+  """
+  predicted = extract_answer(completion, kind)
+  if kind == 'gsm8k':
+    gold = extract_answer(answer, kind) if '####' in answer else _gsm8k_number(answer)
+    if gold is None:
+      raise ValueError(f'gsm8k gold answer has no number: {answer!r}')
+    return float(predicted is not None and Fraction(predicted) == Fraction(gold))
+  if predicted is None:
+    return 0.0
+  if threading.current_thread() is threading.main_thread():
+    return float(_latex_equivalent(predicted, answer))
+  return float(_latex_equivalent_in_worker(predicted, answer))
+
+
+def _check_kind(kind: str) -> None:
+  if kind not in KINDS:
+    raise ValueError(f'unknown reward kind {kind!r}; expected one of {KINDS}')
+
+
+def _latex_equivalent(predicted: str, gold: str) -> bool:
+  # Wrapping both in \boxed makes math-verify take the whole string as the answer
+  # instead of searching it for some other LaTeX fragment.
+  config = [math_verify.LatexExtractionConfig()]
+  gold_parsed = math_verify.parse(
+      f'\\boxed{{{gold}}}', extraction_config=config, parsing_timeout=_TIMEOUT_S)
+  predicted_parsed = math_verify.parse(
+      f'\\boxed{{{predicted}}}', extraction_config=config, parsing_timeout=_TIMEOUT_S)
+  return math_verify.verify(gold_parsed, predicted_parsed, timeout_seconds=_TIMEOUT_S)
+
+
+_worker_lock = threading.Lock()
+_worker = None
+
+
+def _latex_equivalent_in_worker(predicted: str, gold: str) -> bool:
+  global _worker
+  # One worker shared by all threads: a hung check is killed with its process, and
+  # sympy is GIL-bound anyway, so threads gain nothing from parallel workers.
+  with _worker_lock:
+    if _worker is None:
+      # spawn, not fork: forking a process that runs JAX threads can deadlock.
+      _worker = multiprocessing.get_context('spawn').Pool(1)
+    try:
+      result = _worker.apply_async(_latex_equivalent, (predicted, gold))
+      return result.get(_WORKER_TIMEOUT_S)
+    except Exception:  # Timeout, or the worker died: start afresh next call.
+      _worker.terminate()
+      _worker = None
+      return False

@@ -1,0 +1,174 @@
+"""The rollout driver shared by every engine: buckets, prefill, segments and compaction.
+
+An engine (decode.VanillaEngine, the speculative engine) provides two jitted functions:
+`start(params, prompt_tokens, seqs, seed_key)` -> state and
+`run(params, state, seed_key, stop_at_active)` -> state, where state carries `.seqs`
+(sequences.Sequences) and `.cache`. `run` is a `lax.while_loop` on device that stops when
+every row is done or when at most `stop_at_active` rows are still running; the driver then
+moves the running rows into the next smaller batch bucket (one host round trip per
+halving of the batch, never per token) so finished rows stop costing compute.
+"""
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specroll_jax.kv_cache import KVCache, commit
+from specroll_jax.mesh import constrain_rows
+from specroll_jax.model import Transformer, causal_mask
+from specroll_jax.sequences import Sequences
+
+FINISH_EOS = 'eos'
+FINISH_LENGTH = 'length'
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Shape policy of a rollout. Batch buckets are data_size * 2^k up to max_batch."""
+  max_new_tokens: int
+  max_batch: int = 64
+  prompt_bucket_min: int = 16
+
+
+@dataclasses.dataclass
+class Response:
+  prompt_index: int
+  sample_index: int
+  token_ids: list
+  logprobs: list
+  finish_reason: str
+
+
+def pow2_at_least(n: int, minimum: int) -> int:
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+def batch_buckets(max_batch: int, data_size: int) -> list[int]:
+  """Smallest first; every bucket is a multiple of the data axis so rows shard evenly."""
+  if max_batch % data_size:
+    raise ValueError(f'max_batch={max_batch} must be a multiple of the data axis ({data_size})')
+  buckets, size = [], data_size
+  while size < max_batch:
+    buckets.append(size)
+    size *= 2
+  return buckets + [max_batch]
+
+
+def take_rows(tree, rows: jax.Array):
+  """Gathers batch rows of a rollout state (KV caches keep the batch on axis 1)."""
+  def take(node):
+    if isinstance(node, KVCache):
+      return KVCache(k=node.k[:, rows], v=node.v[:, rows], lengths=node.lengths[rows])
+    return node[rows]
+  return jax.tree.map(take, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def prefill(model: Transformer, params, prompt_tokens, prompt_lengths, cache_length: int):
+  """Runs right-padded prompts [B, P] into a fresh cache of `cache_length` slots.
+
+  Returns the cache and the final hidden state and logits at each row's last prompt token.
+  """
+  batch, width = prompt_tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  valid = positions < prompt_lengths[:, None]
+  hidden, block = model.apply({'params': params}, prompt_tokens, positions, causal_mask(valid))
+  cache = KVCache.zeros(model.config, batch, cache_length)
+  cache = commit(cache, block, positions, prompt_lengths)
+  last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+  logits = model.apply({'params': params}, last, method=Transformer.project)
+  return cache, last, logits
+
+
+class Driver:
+  """Runs a list of prompts x num_samples through an engine, bucket by bucket."""
+
+  def __init__(self, engine, config: RolloutConfig, data_size: int = 1):
+    self.engine = engine
+    self.config = config
+    self.buckets = batch_buckets(config.max_batch, data_size)
+    self._take_rows = jax.jit(partial(constrain_then_take, engine.mesh))
+
+  def generate(self, params, prompts: list[list[int]], num_samples: int, seed: int,
+               progress=None) -> list[Response]:
+    """Responses ordered by (prompt_index, sample_index); response id r = p * G + s."""
+    if not prompts:
+      raise ValueError('prompts is empty')
+    for i, p in enumerate(prompts):
+      if not len(p):
+        raise ValueError(f'prompt {i} has no tokens')
+    max_prompt = max(len(p) for p in prompts)
+    limit = self.engine.model_config.max_position_embeddings
+    if max_prompt + self.config.max_new_tokens > limit:
+      worst = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+      raise ValueError(f'prompt {worst} has {max_prompt} tokens; with max_new_tokens='
+                       f'{self.config.max_new_tokens} it exceeds the model\'s '
+                       f'max_position_embeddings={limit}')
+    prompt_width = pow2_at_least(max_prompt, self.config.prompt_bucket_min)
+    cache_length = prompt_width + self.config.max_new_tokens
+    seed_key = jax.random.key(seed)
+    rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
+    results = {}
+    for start in range(0, len(rows), self.config.max_batch):
+      chunk = list(range(start, min(start + self.config.max_batch, len(rows))))
+      self._run_chunk(params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
+                      seed_key, results, progress)
+    return [results[r] for r in range(len(rows))]
+
+  def _run_chunk(self, params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
+                 seed_key, results, progress):
+    batch = next(b for b in self.buckets if b >= len(chunk))
+    tokens = np.zeros((batch, prompt_width), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    response_ids = np.zeros((batch,), np.int32)
+    for i, r in enumerate(chunk):
+      prompt = prompts[rows[r][0]]
+      tokens[i, :len(prompt)] = prompt
+      lengths[i] = len(prompt)
+      response_ids[i] = r
+    padding = np.arange(batch) >= len(chunk)
+    seqs = Sequences.empty(jnp.asarray(response_ids), jnp.asarray(lengths),
+                           jnp.full((batch,), self.config.max_new_tokens, jnp.int32),
+                           self.config.max_new_tokens, jnp.asarray(padding))
+    state = self.engine.start(params, jnp.asarray(tokens), seqs, cache_length)
+    row_of_slot = np.where(padding, -1, np.arange(batch) + chunk[0])
+    while True:
+      smaller = [b for b in self.buckets if b < batch]
+      stop_at = smaller[-1] if smaller else 0
+      state = self.engine.run(params, state, seed_key, jnp.int32(stop_at))
+      done = np.asarray(state.seqs.done)
+      self._collect(state.seqs, done & (row_of_slot >= 0), row_of_slot, num_samples, results,
+                    progress)
+      row_of_slot = np.where(done, -1, row_of_slot)
+      running = np.flatnonzero(row_of_slot >= 0)
+      if not len(running):
+        return
+      batch = next(b for b in self.buckets if b >= len(running))
+      keep = np.concatenate([running, np.flatnonzero(row_of_slot < 0)])[:batch]
+      state = self._take_rows(state, jnp.asarray(keep, jnp.int32))
+      row_of_slot = row_of_slot[keep]
+
+  @staticmethod
+  def _collect(seqs, finished, row_of_slot, num_samples, results, progress):
+    slots = np.flatnonzero(finished)
+    if not len(slots):
+      return
+    tokens, logprobs, counts, eos = jax.device_get(
+        (seqs.tokens, seqs.logprobs, seqs.num_generated, seqs.hit_eos))
+    for slot in slots:
+      r = int(row_of_slot[slot])
+      n = int(counts[slot])
+      results[r] = Response(prompt_index=r // num_samples, sample_index=r % num_samples,
+                            token_ids=tokens[slot, :n].tolist(),
+                            logprobs=logprobs[slot, :n].tolist(),
+                            finish_reason=FINISH_EOS if eos[slot] else FINISH_LENGTH)
+    if progress is not None:
+      progress.update(len(slots))
+
+
+def constrain_then_take(mesh, state, rows):
+  return constrain_rows(mesh, take_rows(state, rows))

@@ -1,0 +1,81 @@
+"""The sampler and the randomness contract shared by every rollout engine.
+
+Randomness contract: the token at absolute sequence position `pos` (0-based, counting the
+prompt) of response `r` is drawn with
+
+    key = fold_in(fold_in(PRNGKey(seed), r), pos)
+    token = argmax(transform(logits) + Gumbel(key, [V]))
+
+so a draw depends only on (seed, response index, position) and the policy's logits there,
+never on batch layout, step count or how many tokens an engine emits per step. The
+speculative engine reproduces vanilla's draws by evaluating the same key at each tree node.
+Greedy decoding (temperature 0) is argmax of the raw logits.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off (applied in that order)."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+    if self.top_k < 0:
+      raise ValueError(f'top_k must be >= 0, got {self.top_k}')
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+def token_keys(seed_key: jax.Array, response_ids: jax.Array, positions: jax.Array) -> jax.Array:
+  """One key per (response, absolute position); shapes of the two id arrays must match."""
+  fold = lambda r, p: jax.random.fold_in(jax.random.fold_in(seed_key, r), p)
+  flat = jax.vmap(fold)(response_ids.reshape(-1), positions.reshape(-1))
+  return flat.reshape(response_ids.shape)
+
+
+def transform_logits(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
+  """Temperature, then top-k, then top-p; removed tokens get -inf. Ties at a cut are kept."""
+  x = logits.astype(jnp.float32) / sampler.temperature
+  if sampler.top_k > 0:
+    kth = jax.lax.top_k(x, sampler.top_k)[0][..., -1:]
+    x = jnp.where(x >= kth, x, -jnp.inf)
+  if sampler.top_p < 1.0:
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = jnp.sum(mass_before < sampler.top_p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_x, keep - 1, axis=-1)
+    x = jnp.where(x >= threshold, x, -jnp.inf)
+  return x
+
+
+def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig) -> jax.Array:
+  """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...]."""
+  if sampler.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  vocab = logits.shape[-1]
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys.reshape(-1))
+  scores = transform_logits(logits, sampler) + gumbel.reshape(logits.shape)
+  return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def token_logprob(logits: jax.Array, tokens: jax.Array, sampler: SamplerConfig) -> jax.Array:
+  """log pi(token) under softmax(logits / T) (T=1 when greedy), before top-k/top-p.
+
+  This is the quantity a GRPO learner recomputes from a full-sequence forward, so rollout
+  log-probs can stand in for the behaviour policy's log-probs.
+  """
+  scale = 1.0 if sampler.greedy else sampler.temperature
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
