@@ -4,6 +4,9 @@ Queries are a block of T tokens per row. Keys are the row's cached prefix (slots
 `< cache_lengths[b]`) followed by the block itself, filtered by an explicit
 `block_mask[b, i, j]` (query i may see block token j). Prefill, decode, full-sequence
 training forwards and tree verification differ only in the mask they pass.
+
+The cache is stored head-major ([B, KVH, S, Dh]) so that the per-step score and value
+products read it without a transpose: on CPU the transposes cost as much as the products.
 """
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,7 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
 
   Args:
     q: [B, T, H, Dh] queries (RoPE already applied).
-    k_cache, v_cache: [B, S, KVH, Dh] cached keys/values; S may be 0.
+    k_cache, v_cache: [B, KVH, S, Dh] cached keys/values; S may be 0.
     cache_lengths: int32 [B], number of valid cache slots per row.
     k_block, v_block: [B, T, KVH, Dh] keys/values of the block tokens.
     block_mask: bool [B, T, T], query i sees block key j.
@@ -29,16 +32,21 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
   batch, t_len, num_heads, head_dim = q.shape
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv
-  qg = q.reshape(batch, t_len, num_kv, groups, head_dim).astype(jnp.float32) * scale
-  s_len = k_cache.shape[1]
-  prefix_mask = jnp.arange(s_len)[None, :] < cache_lengths[:, None]  # [B, S]
-  keys = jnp.concatenate([k_cache, k_block], axis=1).astype(jnp.float32)
-  values = jnp.concatenate([v_cache, v_block], axis=1).astype(jnp.float32)
-  mask = jnp.concatenate(
-      [jnp.broadcast_to(prefix_mask[:, None, :], (batch, t_len, s_len)), block_mask], axis=2)
-  scores = jnp.einsum('btkgd,bskd->bkgts', qg, keys)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-  weights = jax.nn.softmax(scores, axis=-1)
-  weights = jnp.where(mask[:, None, None, :, :], weights, 0.0)
-  out = jnp.einsum('bkgts,bskd->btkgd', weights, values)
+  s_len = k_cache.shape[2]
+  # Queries of one kv head are grouped as rows (t, g) of a [T*G, Dh] matrix.
+  qg = q.reshape(batch, t_len, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
+  qg = qg.reshape(batch, num_kv, t_len * groups, head_dim).astype(jnp.float32) * scale
+  f32 = lambda x: x.astype(jnp.float32)
+  cache_scores = jnp.einsum('bkqd,bksd->bkqs', qg, f32(k_cache))
+  block_scores = jnp.einsum('bkqd,btkd->bkqt', qg, f32(k_block))
+  prefix_mask = (jnp.arange(s_len)[None, :] < cache_lengths[:, None])[:, None, None, :]
+  rows_mask = jnp.repeat(block_mask, groups, axis=1)[:, None]  # [B, 1, T*G, T]
+  scores = jnp.concatenate([jnp.where(prefix_mask, cache_scores, _MASKED),
+                            jnp.where(rows_mask, block_scores, _MASKED)], axis=-1)
+  mask = jnp.concatenate([jnp.broadcast_to(prefix_mask, cache_scores.shape),
+                          jnp.broadcast_to(rows_mask, block_scores.shape)], axis=-1)
+  weights = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+  out = (jnp.einsum('bkqs,bksd->bkqd', weights[..., :s_len], f32(v_cache))
+         + jnp.einsum('bkqt,btkd->bkqd', weights[..., s_len:], f32(v_block)))
+  out = out.reshape(batch, num_kv, t_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, t_len, num_heads, head_dim).astype(q.dtype)

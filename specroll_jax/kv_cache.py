@@ -6,20 +6,20 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  """Keys/values of every layer: [L, B, S, KVH, Dh]; `lengths[b]` slots of row b are valid."""
+  """Keys/values of every layer: [L, B, KVH, S, Dh]; `lengths[b]` slots of row b are valid."""
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
 
   @classmethod
   def zeros(cls, config, batch: int, max_length: int) -> 'KVCache':
-    shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_length, config.head_dim)
     return cls(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_length(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
 
 @struct.dataclass
@@ -40,7 +40,9 @@ def commit(cache: KVCache, block: BlockKV, source_index: jax.Array, count: jax.A
   offsets = jnp.arange(width)[None, :]
   slots = jnp.where(offsets < count[:, None], cache.lengths[:, None] + offsets, cache.max_length)
   rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, width))
-  gather = lambda x: jnp.take_along_axis(x, source_index[None, :, :, None, None], axis=2)
-  k = cache.k.at[:, rows, slots].set(gather(block.k), mode='drop')
-  v = cache.v.at[:, rows, slots].set(gather(block.v), mode='drop')
+  # Advanced indices (rows, slots) around a slice move to the front: values are [B, W, L, KVH, Dh].
+  gather = lambda x: jnp.take_along_axis(
+      x, source_index[None, :, :, None, None], axis=2).transpose(1, 2, 0, 3, 4)
+  k = cache.k.at[:, rows, :, slots].set(gather(block.k), mode='drop')
+  v = cache.v.at[:, rows, :, slots].set(gather(block.v), mode='drop')
   return KVCache(k=k, v=v, lengths=jnp.minimum(cache.lengths + count, cache.max_length))

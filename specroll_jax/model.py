@@ -27,11 +27,15 @@ class RMSNorm(nn.Module):
     return weight * x32.astype(self.dtype)
 
 
-def apply_rope(x, positions, inv_freq):
-  """Rotary embedding in the HF 'rotate_half' layout; x: [B, T, H, Dh], positions: [B, T]."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq
+def rope_tables(positions, config: ModelConfig):
+  """cos/sin [B, T, 1, Dh] for `positions` [B, T], computed once per forward for all layers."""
+  angles = positions[..., None].astype(jnp.float32) * rope_inverse_frequencies(config)
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+  """Rotary embedding in the HF 'rotate_half' layout; x: [B, T, H, Dh]."""
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
@@ -42,7 +46,7 @@ class Attention(nn.Module):
   attention_fn: object
 
   @nn.compact
-  def __call__(self, x, positions, block_mask, k_cache, v_cache, cache_lengths):
+  def __call__(self, x, rope, block_mask, k_cache, v_cache, cache_lengths):
     c = self.config
     dense = lambda features, bias, name: nn.Dense(
         features, use_bias=bias, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, name=name)
@@ -53,8 +57,7 @@ class Attention(nn.Module):
     q = q.reshape(batch, t_len, c.num_heads, c.head_dim)
     k = k.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
     v = v.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
-    inv_freq = rope_inverse_frequencies(c)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
                             scale=c.head_dim ** -0.5)
     out = dense(c.hidden_size, False, 'o_proj')(out.reshape(batch, t_len, -1))
@@ -79,11 +82,11 @@ class DecoderLayer(nn.Module):
   attention_fn: object
 
   @nn.compact
-  def __call__(self, x, positions, block_mask, k_cache, v_cache, cache_lengths):
+  def __call__(self, x, rope, block_mask, k_cache, v_cache, cache_lengths):
     c = self.config
     h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='input_layernorm')(x)
     attn, k, v = Attention(c, self.attention_fn, name='self_attn')(
-        h, positions, block_mask, k_cache, v_cache, cache_lengths)
+        h, rope, block_mask, k_cache, v_cache, cache_lengths)
     x = x + attn
     h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='post_attention_layernorm')(x)
     return x + MLP(c, name='mlp')(h), k, v
@@ -113,12 +116,13 @@ class Transformer(nn.Module):
     c = self.config
     batch = tokens.shape[0]
     if cache is None:
-      empty = jnp.zeros((c.num_layers, batch, 0, c.num_kv_heads, c.head_dim), c.jnp_dtype)
+      empty = jnp.zeros((c.num_layers, batch, c.num_kv_heads, 0, c.head_dim), c.jnp_dtype)
       cache = KVCache(k=empty, v=empty, lengths=jnp.zeros((batch,), jnp.int32))
     x = self.embed_tokens(tokens)
+    rope = rope_tables(positions, c)
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, positions, block_mask, cache.k[i], cache.v[i], cache.lengths)
+      x, k, v = layer(x, rope, block_mask, cache.k[i], cache.v[i], cache.lengths)
       ks.append(k)
       vs.append(v)
     return self.norm(x), BlockKV(k=jnp.stack(ks), v=jnp.stack(vs))

@@ -31,6 +31,9 @@ _BOXED = re.compile(r'\\(?:boxed|fbox)\s*')
 _NUMBER = re.compile(r'-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?')
 _LATEX_FRAC = re.compile(r'\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}')
 _THOUSANDS_COMMA = re.compile(r'(?<=\d),(?=\d{3}(?!\d))')
+# Python-style numbers that appear in Minerva gold answers ('4.5e33', '-1./3').
+_E_NOTATION = re.compile(r'(?<![\w\\.])(\d+(?:\.\d+)?)e([+-]?\d+)(?!\w)')
+_TRAILING_DOT = re.compile(r'(\d)\.(?=$|[\s/),\]}])')
 
 
 def last_boxed(text: str) -> str | None:
@@ -118,15 +121,25 @@ def _check_kind(kind: str) -> None:
     raise ValueError(f'unknown reward kind {kind!r}; expected one of {KINDS}')
 
 
+def _clean_latex(latex: str) -> str:
+  """Rewrites what math-verify misreads: '~' spaces (it drops units only after a
+  real space), e-notation and bare trailing decimal points."""
+  latex = latex.replace('~', ' ')
+  latex = _E_NOTATION.sub(r'\1\\times 10^{\2}', latex)
+  return _TRAILING_DOT.sub(r'\1', latex)
+
+
 def _latex_equivalent(predicted: str, gold: str) -> bool:
   # Wrapping both in \boxed makes math-verify take the whole string as the answer
   # instead of searching it for some other LaTeX fragment.
   config = [math_verify.LatexExtractionConfig()]
-  gold_parsed = math_verify.parse(
-      f'\\boxed{{{gold}}}', extraction_config=config, parsing_timeout=_TIMEOUT_S)
-  predicted_parsed = math_verify.parse(
-      f'\\boxed{{{predicted}}}', extraction_config=config, parsing_timeout=_TIMEOUT_S)
-  return math_verify.verify(gold_parsed, predicted_parsed, timeout_seconds=_TIMEOUT_S)
+  gold_parsed, predicted_parsed = (
+      math_verify.parse(f'\\boxed{{{_clean_latex(latex)}}}', extraction_config=config,
+                        parsing_timeout=_TIMEOUT_S)
+      for latex in (gold, predicted))
+  # allow_set_relation_comp: '0 \le x \le 1' answers a gold '[0, 1]'.
+  return math_verify.verify(gold_parsed, predicted_parsed, allow_set_relation_comp=True,
+                            timeout_seconds=_TIMEOUT_S)
 
 
 _worker_lock = threading.Lock()

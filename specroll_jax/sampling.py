@@ -4,10 +4,13 @@ Randomness contract: the token at absolute sequence position `pos` (0-based, cou
 prompt) of response `r` is drawn with
 
     key = fold_in(fold_in(PRNGKey(seed), r), pos)
-    token = argmax(transform(logits) + Gumbel(key, [V]))
+    u = uniform(key)                                   # one number per draw
+    token = first v with cdf(v) > u * cdf(V - 1)      # cdf of softmax(transform(logits))
 
 so a draw depends only on (seed, response index, position) and the policy's logits there,
-never on batch layout, step count or how many tokens an engine emits per step. The
+never on batch layout, step count or how many tokens an engine emits per step. Inverse-CDF
+sampling needs one random number per draw (Gumbel-max would need V), which keeps the
+per-step sampling cost small next to a small policy's forward. The
 speculative engine reproduces vanilla's draws by evaluating the same key at each tree node.
 Greedy decoding (temperature 0) is argmax of the raw logits.
 """
@@ -64,10 +67,13 @@ def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig) -> jax.Arra
   """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...]."""
   if sampler.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  vocab = logits.shape[-1]
-  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys.reshape(-1))
-  scores = transform_logits(logits, sampler) + gumbel.reshape(logits.shape)
-  return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1))
+  probs = jax.nn.softmax(transform_logits(logits, sampler), axis=-1)
+  cdf = jnp.cumsum(probs, axis=-1)
+  threshold = uniform.reshape(keys.shape)[..., None] * cdf[..., -1:]
+  # The first token whose cdf passes the threshold has positive mass by construction.
+  token = jnp.sum(cdf <= threshold, axis=-1)
+  return jnp.minimum(token, logits.shape[-1] - 1).astype(jnp.int32)
 
 
 def token_logprob(logits: jax.Array, tokens: jax.Array, sampler: SamplerConfig) -> jax.Array:
