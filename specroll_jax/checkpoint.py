@@ -1,5 +1,6 @@
 """Hugging Face directories <-> (ModelConfig, Flax params), offline, via safetensors."""
 import json
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -9,6 +10,10 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from specroll_jax.config import ModelConfig
+
+# Tensors some exporters write that carry no parameters of ours: a tied head's copy and
+# precomputed rotary tables.
+_IGNORED_TENSOR = re.compile(r'lm_head\.weight|.*rotary_emb\.inv_freq')
 
 _LINEAR = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
            'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
@@ -35,7 +40,8 @@ def tensor_layout(config: ModelConfig) -> dict:
     for name in _LINEAR:
       module, proj = name.split('.')
       layout[prefix + name + '.weight'] = ((layer, module, proj, 'kernel'), out_in[name], True)
-      if c.qkv_bias and proj in ('q_proj', 'k_proj', 'v_proj'):
+      has_bias = c.o_bias if proj == 'o_proj' else c.qkv_bias and module == 'self_attn'
+      if has_bias:
         layout[prefix + name + '.bias'] = ((layer, module, proj, 'bias'), out_in[name][:1], False)
   return layout
 
@@ -63,7 +69,10 @@ def load_params(directory: Path, config: ModelConfig) -> dict:
     with safe_open(str(file), framework='numpy') as f:
       for name in f.keys():
         if name not in layout:
-          continue  # e.g. a tied lm_head.weight or rotary buffers: not parameters here.
+          if _IGNORED_TENSOR.fullmatch(name):
+            continue
+          raise ValueError(f'{file}: unexpected tensor {name!r} (not part of a '
+                           f'{config.architecture} with this config.json)')
         path, shape, transposed = layout[name]
         tensor = f.get_tensor(name)
         if tuple(tensor.shape) != shape:

@@ -37,6 +37,7 @@ class ModelConfig:
   rope: RopeConfig
   tie_word_embeddings: bool
   qkv_bias: bool
+  o_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2 biases q/k/v only.
   bos_token_id: int | None
   eos_token_id: int | None
   dtype: str = 'float32'
@@ -117,7 +118,8 @@ def config_from_hf(raw: dict, path: Path, dtype: str = 'float32') -> ModelConfig
   try:
     num_heads = int(raw['num_attention_heads'])
     hidden = int(raw['hidden_size'])
-    qkv_bias = arch == 'Qwen2ForCausalLM' or bool(raw.get('attention_bias', False))
+    llama_bias = arch == 'LlamaForCausalLM' and bool(raw.get('attention_bias', False))
+    qkv_bias = arch == 'Qwen2ForCausalLM' or llama_bias
     config = ModelConfig(
         architecture=arch, vocab_size=int(raw['vocab_size']), hidden_size=hidden,
         intermediate_size=int(raw['intermediate_size']),
@@ -127,6 +129,7 @@ def config_from_hf(raw: dict, path: Path, dtype: str = 'float32') -> ModelConfig
         max_position_embeddings=int(raw.get('max_position_embeddings', 2048)),
         rms_norm_eps=float(raw.get('rms_norm_eps', 1e-6)), rope=_rope_from_hf(raw, path),
         tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)), qkv_bias=qkv_bias,
+        o_bias=llama_bias,
         bos_token_id=_first_token_id(raw.get('bos_token_id')),
         eos_token_id=_first_token_id(raw.get('eos_token_id')))
   except KeyError as e:

@@ -60,7 +60,7 @@ class Attention(nn.Module):
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
                             scale=c.head_dim ** -0.5)
-    out = dense(c.hidden_size, False, 'o_proj')(out.reshape(batch, t_len, -1))
+    out = dense(c.hidden_size, c.o_bias, 'o_proj')(out.reshape(batch, t_len, -1))
     return out, k, v
 
 

@@ -1,0 +1,21 @@
+"""Test setup: 8 host CPU devices (for the sharding tests) and shared fixtures."""
+import os
+
+# Must happen before jax is imported anywhere in the test process.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / 'shared'
+STORIES = SHARED / 'models' / 'stories260K'
+
+
+@pytest.fixture(scope='session')
+def stories_policy():
+  from specroll_jax import load_policy
+  return load_policy(STORIES)

@@ -1,0 +1,98 @@
+"""The vanilla engine: reference output, cache/forward agreement, batching and compilation."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specroll_jax.compilation import count_compilations
+from specroll_jax.decode import VanillaEngine
+from specroll_jax.rollout import FINISH_EOS, FINISH_LENGTH, Driver, RolloutConfig
+from specroll_jax.sampling import SamplerConfig
+from tests.conftest import STORIES
+
+PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park to play', 'Hi']
+
+
+def _generate(policy, sampler, prompts, num_samples=1, max_new=24, max_batch=8, seed=0,
+              eos_ids=(2,)):
+  engine = VanillaEngine(policy.config, sampler, eos_ids)
+  driver = Driver(engine, RolloutConfig(max_new_tokens=max_new, max_batch=max_batch))
+  return driver.generate(policy.params, prompts, num_samples, seed)
+
+
+def _encode(policy, texts):
+  return [policy.tokenizer.encode(t) for t in texts]
+
+
+def test_greedy_reproduces_reference_continuation(stories_policy):
+  reference = json.loads((STORIES / 'reference_greedy.json').read_text())
+  [out] = _generate(stories_policy, SamplerConfig(temperature=0.0), [reference['prompt_ids']],
+                    max_new=200, max_batch=1)
+  assert out.token_ids == reference['output_ids']
+  assert out.finish_reason == FINISH_LENGTH
+  assert stories_policy.tokenizer.decode(out.token_ids) == reference['text']
+
+
+@pytest.mark.parametrize('sampler', [SamplerConfig(temperature=0.0),
+                                     SamplerConfig(temperature=1.0, top_k=20, top_p=0.9)])
+def test_cached_decode_equals_full_sequence_forward(stories_policy, sampler):
+  prompts = _encode(stories_policy, PROMPTS)
+  outs = _generate(stories_policy, sampler, prompts, num_samples=2)
+  for out in outs:
+    prompt = prompts[out.prompt_index]
+    ids = np.array([prompt + out.token_ids])
+    logits = np.asarray(stories_policy.logits(ids))[0, len(prompt) - 1:-1]
+    scale = 1.0 if sampler.greedy else sampler.temperature
+    logp = jax.nn.log_softmax(logits / scale, axis=-1)
+    expected = np.take_along_axis(np.asarray(logp), np.array(out.token_ids)[:, None], -1)[:, 0]
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-5)
+    if sampler.greedy:
+      assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_mixed_prompt_lengths_equal_each_prompt_alone(stories_policy):
+  sampler = SamplerConfig(temperature=1.0)
+  prompts = _encode(stories_policy, PROMPTS)
+  together = _generate(stories_policy, sampler, prompts, num_samples=2)
+  for out in together:
+    # Response id r = p * G + s names the RNG stream; alone, the prompt must sit at the same r.
+    padded = [prompts[out.prompt_index]] * (out.prompt_index + 1)
+    alone = _generate(stories_policy, sampler, padded, num_samples=2, max_batch=8)
+    match = alone[out.prompt_index * 2 + out.sample_index]
+    assert match.token_ids == out.token_ids
+
+
+def test_top_k_one_equals_greedy(stories_policy):
+  prompts = _encode(stories_policy, PROMPTS)
+  greedy = _generate(stories_policy, SamplerConfig(temperature=0.0), prompts)
+  top1 = _generate(stories_policy, SamplerConfig(temperature=0.8, top_k=1), prompts)
+  assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+
+
+def test_eos_ends_a_response_where_it_is_drawn(stories_policy):
+  prompts = _encode(stories_policy, PROMPTS)
+  free = _generate(stories_policy, SamplerConfig(temperature=0.0), prompts)
+  # Declare the 5th greedy token of the first response an EOS token: it must stop there.
+  eos = free[0].token_ids[4]
+  stopped = _generate(stories_policy, SamplerConfig(temperature=0.0), prompts, eos_ids=(eos,))
+  assert stopped[0].token_ids == free[0].token_ids[:5]
+  assert stopped[0].finish_reason == FINISH_EOS
+  for out, ref in zip(stopped, free):
+    cut = ref.token_ids.index(eos) + 1 if eos in ref.token_ids else len(ref.token_ids)
+    assert out.token_ids == ref.token_ids[:cut]
+
+
+def test_no_recompilation_in_steady_state(stories_policy):
+  sampler = SamplerConfig(temperature=1.0, top_p=0.95)
+  first = _encode(stories_policy, PROMPTS)
+  second = _encode(stories_policy, ['A dog', 'The sun was hot and bright', 'Tim', 'Sue ran'])
+  _generate(stories_policy, sampler, first, num_samples=3, max_batch=8)
+  with count_compilations() as compiled:
+    _generate(stories_policy, sampler, second, num_samples=3, max_batch=8, seed=7)
+    assert compiled() == 0
+
+
+def test_prompt_too_long_for_the_model_is_a_clear_error(stories_policy):
+  with pytest.raises(ValueError, match='prompt 1 has 500 tokens'):
+    _generate(stories_policy, SamplerConfig(), [[1, 2], [5] * 500], max_new=20)
