@@ -11,9 +11,9 @@ Layout choices are driven by what the compiled backends accept:
   * Triton (GPU) only handles power-of-two tensors and needs matmul dims >= 16, so query
     rows and block keys are padded to a power of two >= 16 (padding is masked out) and
     `block_s` and the head dim must be powers of two.
-  * Mosaic (TPU) wants the last two block dims either whole or (8, 128)-aligned, so the
-    caches are viewed as [B, S, KVH * Dh] (a free reshape, no transpose) and each program
-    takes a Dh-wide column block; on TPU that needs Dh % 128 == 0 (or KVH == 1).
+  * Mosaic (TPU) wants the last two block dims either whole or (8, 128)-aligned. The
+    head-major cache ([B, KVH, S, Dh]) gives each program a whole [S, Dh] slab; the small
+    per-block tensors are transposed head-major here to match.
   * Scalar prefetch is TPU-only, so cache_lengths is an ordinary int32 input read whole;
     on TPU it is placed in SMEM because scalars cannot be read out of VMEM.
 """
@@ -49,7 +49,7 @@ def _kernel(lengths_ref, q_ref, k_cache_ref, v_cache_ref, k_block_ref, v_block_r
     # The select matters for rows whose every key so far is masked: there new_max is
     # _MASKED itself and exp(scores - new_max) would count masked keys with weight 1.
     probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)
-    rescale = 1.0
+    rescale = jnp.exp(row_max - new_max)
     # Probabilities go to the values' dtype so bf16 caches use bf16 matmuls; the
     # accumulation stays float32.
     acc = rescale * acc + lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -96,7 +96,7 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
   if interpret is None:
     interpret = jax.default_backend() == 'cpu'
   batch, t_len, num_heads, head_dim = q.shape
-  s_len = k_cache.shape[1]
+  s_len = k_cache.shape[2]
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv
 
@@ -109,19 +109,20 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
   keys_padded = _dot_dim(t_len)
   mask_rows = jnp.repeat(block_mask, groups, axis=1).astype(jnp.int32)
   mask_rows = _pad_axis(_pad_axis(mask_rows, 1, rows_padded), 2, keys_padded)
-  k_block = _pad_axis(k_block, 1, keys_padded).reshape(batch, keys_padded, -1)
-  v_block = _pad_axis(v_block, 1, keys_padded).reshape(batch, keys_padded, -1)
+  k_block = _pad_axis(k_block, 1, keys_padded).transpose(0, 2, 1, 3)
+  v_block = _pad_axis(v_block, 1, keys_padded).transpose(0, 2, 1, 3)
 
   # At least one tile even for S == 0, so no block is empty; padding slots are never
   # visible because lengths are clipped to the real S, as the reference's mask implies.
   s_padded = max(1, pl.cdiv(s_len, block_s)) * block_s
-  k_cache = _pad_axis(k_cache, 1, s_padded).reshape(batch, s_padded, -1)
-  v_cache = _pad_axis(v_cache, 1, s_padded).reshape(batch, s_padded, -1)
+  k_cache = _pad_axis(k_cache, 2, s_padded)
+  v_cache = _pad_axis(v_cache, 2, s_padded)
   lengths = jnp.clip(cache_lengths, 0, s_len).astype(jnp.int32)
 
   on_tpu = jax.default_backend() == 'tpu' and not interpret
-  cache_spec = pl.BlockSpec((None, s_padded, head_dim), lambda b, h, r: (b, 0, h))
-  block_kv_spec = pl.BlockSpec((None, keys_padded, head_dim), lambda b, h, r: (b, 0, h))
+  cache_spec = pl.BlockSpec((None, None, s_padded, head_dim), lambda b, h, r: (b, h, 0, 0))
+  block_kv_spec = pl.BlockSpec((None, None, keys_padded, head_dim),
+                               lambda b, h, r: (b, h, 0, 0))
   rows_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
   out = pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_s=block_s),

@@ -9,13 +9,16 @@ DAPO answers are LaTeX, compared with math-verify (symbolic and numeric equivale
 sets, intervals, units, ...).
 
 math-verify bounds its own work with SIGALRM, which only works in the main thread
-(elsewhere it raises). Off the main thread we therefore run the check in a spawned
-worker process, where it is the main thread again, and kill that worker if it
-overruns: a sympy blow-up such as 10^{10^{10}} must not stall a rollout thread.
+(elsewhere it raises). Off the main thread we therefore run the check in a worker
+process, where it is the main thread again, and kill that worker if it overruns: a
+sympy blow-up such as 10^{10^{10}} must not stall a rollout thread.
 """
 from fractions import Fraction
-import multiprocessing
+import json
 import re
+import select
+import subprocess
+import sys
 import threading
 
 import math_verify
@@ -24,7 +27,8 @@ KINDS = ('gsm8k', 'math', 'dapo')
 
 # Per parse/compare step inside math-verify (SIGALRM takes whole seconds).
 _TIMEOUT_S = 2
-# Off the main thread: the worker's whole check (two parses, a few compares).
+# Off the main thread: the worker's whole check (its start-up on first use, two
+# parses, a few compares).
 _WORKER_TIMEOUT_S = 6 * _TIMEOUT_S
 
 _BOXED = re.compile(r'\\(?:boxed|fbox)\s*')
@@ -63,7 +67,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def _gsm8k_number(text: str) -> str | None:
-  """First number in text, with money/percent signs, units and thousands commas gone."""
+  """First number in text; money and percent signs, thousands commas and any units
+  around it are ignored."""
   text = text.replace('\u2212', '-').replace('{,}', ',')
   text = re.sub(r'\\?[$%]|\\!', '', text)
   text = _THOUSANDS_COMMA.sub('', text)
@@ -90,8 +95,7 @@ def extract_answer(completion: str, kind: str) -> str | None:
   if kind != 'gsm8k':
     return last_boxed(completion)
   if '####' in completion:
-    after = completion.rsplit('####', 1)[1].strip()
-    return _gsm8k_number(after.split('\n', 1)[0]) if after else None
+    return _gsm8k_number(completion.rsplit('####', 1)[1])
   boxed = last_boxed(completion)
   return _gsm8k_number(boxed) if boxed else None
 
@@ -142,22 +146,53 @@ def _latex_equivalent(predicted: str, gold: str) -> bool:
                             timeout_seconds=_TIMEOUT_S)
 
 
+class _Worker:
+  """This file run as a script in a child process, answering one check per line.
+
+  A fresh interpreter, not multiprocessing: spawn would re-run the caller's __main__
+  and fork is unsafe next to JAX's threads. -P keeps specroll_jax/ off sys.path.
+  """
+
+  def __init__(self):
+    self._proc = subprocess.Popen([sys.executable, '-P', __file__], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+
+  def check(self, predicted: str, gold: str) -> bool:
+    self._proc.stdin.write(json.dumps([predicted, gold]) + '\n')
+    self._proc.stdin.flush()
+    ready, _, _ = select.select([self._proc.stdout], [], [], _WORKER_TIMEOUT_S)
+    if not ready:
+      raise TimeoutError('math-verify worker overran')
+    return json.loads(self._proc.stdout.readline())
+
+  def kill(self) -> None:
+    self._proc.kill()
+    self._proc.wait()
+
+
+def _serve() -> None:
+  for line in sys.stdin:
+    print(json.dumps(_latex_equivalent(*json.loads(line))), flush=True)
+
+
 _worker_lock = threading.Lock()
 _worker = None
 
 
 def _latex_equivalent_in_worker(predicted: str, gold: str) -> bool:
   global _worker
-  # One worker shared by all threads: a hung check is killed with its process, and
-  # sympy is GIL-bound anyway, so threads gain nothing from parallel workers.
+  # One worker for all threads: sympy holds the GIL anyway, so parallel workers would
+  # buy little, and a single one is simple to kill and replace when it hangs.
   with _worker_lock:
     if _worker is None:
-      # spawn, not fork: forking a process that runs JAX threads can deadlock.
-      _worker = multiprocessing.get_context('spawn').Pool(1)
+      _worker = _Worker()
     try:
-      result = _worker.apply_async(_latex_equivalent, (predicted, gold))
-      return result.get(_WORKER_TIMEOUT_S)
-    except Exception:  # Timeout, or the worker died: start afresh next call.
-      _worker.terminate()
+      return _worker.check(predicted, gold)
+    except (OSError, ValueError):  # Overran (TimeoutError is an OSError) or died.
+      _worker.kill()
       _worker = None
       return False
+
+
+if __name__ == '__main__':
+  _serve()
