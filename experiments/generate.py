@@ -3,6 +3,7 @@
   python -m experiments.generate --checkpoint=../shared/models/stories260K \
       --prompts=prompts.jsonl --num_samples=4 --out=samples.jsonl
 """
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -10,13 +11,14 @@ from pathlib import Path
 from absl import app, flags
 from tqdm import tqdm
 
+from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
-from specroll_jax.decode import VanillaEngine
+from specroll_jax.capacity import load_or_measure
+from specroll_jax.engines import ENGINES, make_engine, summarize
 from specroll_jax.mesh import MeshConfig, data_size, make_mesh, shard_params
 from specroll_jax.rollout import Driver, RolloutConfig
 from specroll_jax.sampling import SamplerConfig
-
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / 'shared' / 'models' / 'stories260K'
+from specroll_jax.tree import TreeConfig
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -26,32 +28,19 @@ flags.DEFINE_integer('top_k', 0, 'Keep the k most likely tokens; 0 disables.')
 flags.DEFINE_float('top_p', 1.0, 'Nucleus mass; 1.0 disables.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Maximum generated tokens per response.')
 flags.DEFINE_integer('seed', 0, 'Rollout seed (see the randomness contract in sampling.py).')
-flags.DEFINE_enum('engine', 'vanilla', ['vanilla'], 'Rollout engine.')
+flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
+flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll).')
+flags.DEFINE_integer('capacity_tokens', 0,
+                     'C_hw for the tree budget; 0 = the cached capacity profile (measured '
+                     'on first use, see experiments.profile_capacity).')
+flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root included.')
+flags.DEFINE_list('branching', ['8', '4', '2', '2'], 'Candidate ranks per tree depth.')
 flags.DEFINE_integer('max_batch', 64, 'Largest compiled batch bucket.')
 flags.DEFINE_integer('mesh_data', 1, 'Devices on the data axis (-1: all).')
 flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Parameter dtype.')
 flags.DEFINE_string('out', None, 'Output JSONL path.')
 flags.mark_flags_as_required(['prompts', 'out'])
 FLAGS = flags.FLAGS
-
-
-def read_prompts(path: Path) -> list[str]:
-  if not path.is_file():
-    raise FileNotFoundError(f'{path}: prompts file not found')
-  prompts = []
-  for number, line in enumerate(path.read_text().splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
-    if not isinstance(row, dict) or not isinstance(row.get('prompt'), str):
-      raise ValueError(f'{path}:{number}: expected an object with a string field "prompt"')
-    prompts.append(row['prompt'])
-  if not prompts:
-    raise ValueError(f'{path}: no prompts')
-  return prompts
 
 
 def main(argv):
@@ -61,25 +50,28 @@ def main(argv):
   prompts = [policy.tokenizer.encode(t) for t in texts]
   mesh = make_mesh(MeshConfig(data=FLAGS.mesh_data)) if FLAGS.mesh_data != 1 else None
   sampler = SamplerConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
-  eos_ids = () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
-  engine = VanillaEngine(policy.config, sampler, eos_ids, mesh=mesh)
-  driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch),
-                  data_size=data_size(mesh) if mesh else 1)
-  params = shard_params(mesh, policy.params) if mesh else policy.params
+  if mesh:
+    policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
+  tree = None
+  if FLAGS.engine == 'specroll':
+    capacity = FLAGS.capacity_tokens or load_or_measure(policy.config,
+                                                        policy.params).capacity_tokens
+    tree = TreeConfig(branching=tuple(int(b) for b in FLAGS.branching),
+                      max_nodes=FLAGS.max_nodes, capacity_tokens=capacity)
+  rows = data_size(mesh) if mesh else 1
+  engine, params = make_engine(policy, FLAGS.engine, sampler, heads_dir=FLAGS.heads, tree=tree,
+                               mesh=mesh, data_size=rows)
+  driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch), data_size=rows)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)
   out = Path(FLAGS.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_suffix(out.suffix + '.tmp')
-  with tmp.open('w') as f:
-    for r in responses:
-      f.write(json.dumps({'prompt_index': r.prompt_index, 'sample_index': r.sample_index,
-                          'token_ids': r.token_ids,
-                          'text': policy.tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                          'logprobs': r.logprobs, 'finish_reason': r.finish_reason}) + '\n')
-  tmp.replace(out)
-  tokens = sum(len(r.token_ids) for r in responses)
-  print(f'wrote {len(responses)} responses ({tokens} tokens) to {out}', file=sys.stderr)
+  write_jsonl_atomic(out, ({'prompt_index': r.prompt_index, 'sample_index': r.sample_index,
+                            'token_ids': r.token_ids,
+                            'text': policy.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                            'logprobs': r.logprobs, 'finish_reason': r.finish_reason}
+                           for r in responses))
+  print(f'wrote {len(responses)} responses to {out}', file=sys.stderr)
+  print('stats ' + json.dumps({'engine': FLAGS.engine, **summarize(responses)}))
 
 
 if __name__ == '__main__':

@@ -52,6 +52,11 @@ class VanillaEngine:
 
     return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
 
+  @staticmethod
+  def row_stats(state: DecodeState) -> dict:
+    del state
+    return {}
+
   def step(self, params, state: DecodeState, seed_key) -> DecodeState:
     """Draws one token per running row and runs it through the policy."""
     seqs = state.seqs

@@ -1,9 +1,9 @@
 """The rollout driver shared by every engine: buckets, prefill, segments and compaction.
 
-An engine (decode.VanillaEngine, the speculative engine) provides two jitted functions:
-`start(params, prompt_tokens, seqs, seed_key)` -> state and
+An engine (decode.VanillaEngine, speculative.SpecEngine) provides two jitted functions,
+`start(params, prompt_tokens, seqs, cache_length)` -> state and
 `run(params, state, seed_key, stop_at_active)` -> state, where state carries `.seqs`
-(sequences.Sequences) and `.cache`. `run` is a `lax.while_loop` on device that stops when
+(sequences.Sequences) and `.cache`, and `row_stats(state)` -> {name: per-row array}. `run` is a `lax.while_loop` on device that stops when
 every row is done or when at most `stop_at_active` rows are still running; the driver then
 moves the running rows into the next smaller batch bucket (one host round trip per
 halving of the batch, never per token) so finished rows stop costing compute.
@@ -39,6 +39,8 @@ class Response:
   token_ids: list
   logprobs: list
   finish_reason: str
+  steps: int                 # policy forwards this response took part in
+  stats: dict = dataclasses.field(default_factory=dict)  # engine-specific per-row counters
 
 
 def pow2_at_least(n: int, minimum: int) -> int:
@@ -141,7 +143,7 @@ class Driver:
       stop_at = smaller[-1] if smaller else 0
       state = self.engine.run(params, state, seed_key, jnp.int32(stop_at))
       done = np.asarray(state.seqs.done)
-      self._collect(state.seqs, done & (row_of_slot >= 0), row_of_slot, num_samples, results,
+      self._collect(state, done & (row_of_slot >= 0), row_of_slot, num_samples, results,
                     progress)
       row_of_slot = np.where(done, -1, row_of_slot)
       running = np.flatnonzero(row_of_slot >= 0)
@@ -152,20 +154,23 @@ class Driver:
       state = self._take_rows(state, jnp.asarray(keep, jnp.int32))
       row_of_slot = row_of_slot[keep]
 
-  @staticmethod
-  def _collect(seqs, finished, row_of_slot, num_samples, results, progress):
+  def _collect(self, state, finished, row_of_slot, num_samples, results, progress):
     slots = np.flatnonzero(finished)
     if not len(slots):
       return
-    tokens, logprobs, counts, eos = jax.device_get(
-        (seqs.tokens, seqs.logprobs, seqs.num_generated, seqs.hit_eos))
+    seqs = state.seqs
+    tokens, logprobs, counts, eos, steps, stats = jax.device_get(
+        (seqs.tokens, seqs.logprobs, seqs.num_generated, seqs.hit_eos, seqs.steps,
+         self.engine.row_stats(state)))
     for slot in slots:
       r = int(row_of_slot[slot])
       n = int(counts[slot])
       results[r] = Response(prompt_index=r // num_samples, sample_index=r % num_samples,
                             token_ids=tokens[slot, :n].tolist(),
                             logprobs=logprobs[slot, :n].tolist(),
-                            finish_reason=FINISH_EOS if eos[slot] else FINISH_LENGTH)
+                            finish_reason=FINISH_EOS if eos[slot] else FINISH_LENGTH,
+                            steps=int(steps[slot]),
+                            stats={name: value[slot] for name, value in stats.items()})
     if progress is not None:
       progress.update(len(slots))
 

@@ -15,6 +15,7 @@ class Sequences:
   response_ids: jax.Array    # int32 [B] global response index (the RNG stream)
   prompt_lengths: jax.Array  # int32 [B]
   max_new_tokens: jax.Array  # int32 [B]
+  steps: jax.Array           # int32 [B] engine steps (policy forwards) taken while running
 
   @classmethod
   def empty(cls, response_ids, prompt_lengths, max_new_tokens, capacity: int, done):
@@ -23,7 +24,8 @@ class Sequences:
                logprobs=jnp.zeros((batch, capacity), jnp.float32),
                num_generated=jnp.zeros((batch,), jnp.int32), done=done,
                hit_eos=jnp.zeros((batch,), bool), response_ids=response_ids,
-               prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens)
+               prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens,
+               steps=jnp.zeros((batch,), jnp.int32))
 
   @property
   def next_positions(self) -> jax.Array:
@@ -53,5 +55,6 @@ class Sequences:
         tokens=self.tokens.at[rows, slots].set(new_tokens, mode='drop'),
         logprobs=self.logprobs.at[rows, slots].set(new_logprobs, mode='drop'),
         num_generated=num_generated,
+        steps=self.steps + (~self.done).astype(jnp.int32),
         hit_eos=self.hit_eos | ended_on_eos,
         done=self.done | ended_on_eos | (num_generated >= self.max_new_tokens)), kept

@@ -27,11 +27,14 @@ VARIANTS = {
 }
 
 
-def make_checkpoint(directory, variant: str, seed: int = 0):
-  """Writes a randomly initialised HF model of `variant` plus stories260K's tokenizer."""
+def make_checkpoint(directory, variant: str, seed: int = 0, initializer_range: float = 0.02):
+  """Writes a randomly initialised HF model of `variant` plus stories260K's tokenizer.
+
+  A larger `initializer_range` gives peaked next-token distributions like a trained model's.
+  """
   family, overrides = VARIANTS[variant]
   torch.manual_seed(seed)
-  kwargs = dict(LLAMA_BASE, **overrides)
+  kwargs = dict(LLAMA_BASE, initializer_range=initializer_range, **overrides)
   if family == 'llama':
     config = transformers.LlamaConfig(**kwargs)
     model = transformers.LlamaForCausalLM(config)

@@ -1,0 +1,28 @@
+"""W2: stories260K with warm-started heads, 64 story openings x 256 new tokens, T = 1.
+
+  python -m experiments.bench_rollout --config=configs/bench_w2.py
+"""
+import ml_collections
+
+from experiments.common import DEFAULT_CHECKPOINT
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.checkpoint = str(DEFAULT_CHECKPOINT)
+  c.heads_dir = 'workdir/heads_stories260K'  # trained (and cached) here when missing
+  c.heads = ml_collections.ConfigDict(dict(
+      num_heads=4, num_sequences=512, held_out=64, max_new_tokens=256, steps=800, seed=0))
+  c.num_prompts = 64
+  c.opening_tokens = 6       # openings = the first tokens of the policy's own stories
+  c.opening_seed = 1234      # different from the heads' training seed
+  c.max_new_tokens = 256
+  c.temperature = 1.0
+  c.seed = 0
+  c.repeats = 3
+  c.capacity_tokens = 0      # 0: the cached capacity profile of this model on this backend
+  c.max_nodes = 64
+  c.branching = (8, 4, 2, 2)
+  c.batch_sweep = (8, 16, 32, 64)  # active batch sizes for the tau / speedup curves
+  c.out_dir = 'results/bench_w2'
+  return c

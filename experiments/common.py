@@ -1,0 +1,37 @@
+"""Paths and file helpers shared by the experiment entry points (no flags defined here)."""
+import json
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[2] / 'shared'
+DEFAULT_CHECKPOINT = SHARED / 'models' / 'stories260K'
+DEFAULT_DATA_DIR = SHARED / 'data'
+
+
+def read_prompts(path: Path) -> list[str]:
+  """Reads {"prompt": "..."} lines; errors name the file and line."""
+  if not path.is_file():
+    raise FileNotFoundError(f'{path}: prompts file not found')
+  prompts = []
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}:{number}: not valid JSON ({e})') from None
+    if not isinstance(row, dict) or not isinstance(row.get('prompt'), str):
+      raise ValueError(f'{path}:{number}: expected an object with a string field "prompt"')
+    prompts.append(row['prompt'])
+  if not prompts:
+    raise ValueError(f'{path}: no prompts')
+  return prompts
+
+
+def write_jsonl_atomic(path: Path, rows) -> None:
+  """Writes rows to a temporary file first so an interruption never leaves half a file."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + '.tmp')
+  with tmp.open('w') as f:
+    for row in rows:
+      f.write(json.dumps(row) + '\n')
+  tmp.replace(path)

@@ -1,0 +1,208 @@
+"""Self-distillation of the horizon heads on the policy's own generations.
+
+Training pairs come from one full-sequence policy forward over (prompt + response): the
+hidden state h_t, and at the horizon position t+k the policy's top-K distribution
+p_{t+k} (the law of token x_{t+k+1}) and the realised token x_{t+k+1}. Head k's loss is
+KL(p_{t+k} || q_{t,k}) over the policy's top-K tokens plus the cross-entropy of the
+realised token, weighted 0.8^k across heads. Only head parameters receive gradients.
+"""
+import dataclasses
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from tqdm import tqdm
+
+from specroll_jax.config import ModelConfig
+from specroll_jax.decode import VanillaEngine
+from specroll_jax.heads import HeadsConfig, apply_heads, init_heads
+from specroll_jax.model import Transformer, causal_mask
+from specroll_jax.rollout import Driver, RolloutConfig
+from specroll_jax.sampling import SamplerConfig
+
+
+@struct.dataclass
+class DistillBatch:
+  hidden: jax.Array       # [B, T, D] policy hidden states
+  target_ids: jax.Array   # int32 [B, T, K] policy's top-K next-token ids at each position
+  target_logp: jax.Array  # float32 [B, T, K] their log-probs (renormalised over the K)
+  tokens: jax.Array       # int32 [B, T] the sequence itself
+  valid: jax.Array        # bool [B, T] position t holds a real token
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  target_top_k: int = 32
+  head_decay: float = 0.8
+  ce_weight: float = 1.0
+  learning_rate: float = 3e-3
+  weight_decay: float = 0.0
+  batch_size: int = 32
+  steps: int = 600
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
+  """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
+  batch, width = tokens.shape
+  valid = tokens >= 0
+  safe = jnp.where(valid, tokens, 0)
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  model = Transformer(model_config)
+  hidden, _ = model.apply({'params': params}, safe, positions, causal_mask(valid))
+  logits = model.apply({'params': params}, hidden, method=Transformer.project)
+  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+  return hidden, ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
+
+
+def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,
+                top_k: int) -> DistillBatch:
+  """Pads token sequences to `width` (-1 = padding) and runs the policy over them."""
+  tokens = np.full((len(sequences), width), -1, np.int32)
+  for i, seq in enumerate(sequences):
+    seq = seq[:width]
+    tokens[i, :len(seq)] = seq
+  tokens = jnp.asarray(tokens)
+  hidden, ids, logp = policy_targets(model_config, params, tokens, top_k)
+  return DistillBatch(hidden=hidden, target_ids=ids, target_logp=logp,
+                      tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
+
+
+def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, config: DistillConfig,
+                head_params, policy_params, batch: DistillBatch):
+  """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
+  z = apply_heads(heads_config, model_config, head_params, batch.hidden)  # [B, T, H, D]
+  logits = Transformer(model_config).apply({'params': policy_params}, z,
+                                           method=Transformer.project)
+  logq = jax.nn.log_softmax(logits, axis=-1)
+  width = batch.tokens.shape[1]
+  kls, ces, counts = [], [], []
+  for k in range(1, heads_config.num_heads + 1):
+    # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
+    lq = logq[:, :width - k - 1, k - 1]
+    target_logp = batch.target_logp[:, k:width - 1]
+    target_ids = batch.target_ids[:, k:width - 1]
+    realised = batch.tokens[:, k + 1:]
+    mask = batch.valid[:, k + 1:] & batch.valid[:, :width - k - 1]
+    q_at_targets = jnp.take_along_axis(lq, target_ids, axis=-1)
+    kl = jnp.sum(jnp.exp(target_logp) * (target_logp - q_at_targets), axis=-1)
+    ce = -jnp.take_along_axis(lq, realised[..., None], axis=-1)[..., 0]
+    kls.append(jnp.sum(jnp.where(mask, kl, 0.0)))
+    ces.append(jnp.sum(jnp.where(mask, ce, 0.0)))
+    counts.append(jnp.sum(mask))
+  return jnp.stack(kls), jnp.stack(ces), jnp.stack(counts)
+
+
+def distill_loss(heads_config, model_config, config: DistillConfig, head_params, policy_params,
+                 batch: DistillBatch):
+  kl, ce, count = head_losses(heads_config, model_config, config, head_params, policy_params,
+                              batch)
+  weights = config.head_decay ** jnp.arange(1, heads_config.num_heads + 1)
+  per_head = (kl + config.ce_weight * ce) / jnp.maximum(count, 1)
+  return jnp.sum(weights * per_head) / jnp.sum(weights)
+
+
+def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(config.learning_rate, weight_decay=config.weight_decay))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def train_step(heads_config, model_config, config: DistillConfig, optimizer, head_params,
+               opt_state, policy_params, batch: DistillBatch):
+  loss, grads = jax.value_and_grad(
+      lambda hp: distill_loss(heads_config, model_config, config, hp, policy_params, batch))(
+          head_params)
+  updates, opt_state = optimizer.update(grads, opt_state, head_params)
+  return optax.apply_updates(head_params, updates), opt_state, loss
+
+
+@partial(jax.jit, static_argnums=(0, 1, 4))
+def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params, policy_params,
+              ranks: int, batch: DistillBatch):
+  """Per head and rank r < `ranks`: how often the realised x_{t+k+1} is head k's rank-r token.
+
+  Returns (hits [H, ranks], count [H]); hits[:, 0] / count is top-1 agreement, and the rates
+  seed the tree's online (head, rank) acceptance statistics.
+  """
+  z = apply_heads(heads_config, model_config, head_params, batch.hidden)
+  logits = Transformer(model_config).apply({'params': policy_params}, z,
+                                           method=Transformer.project)
+  _, guesses = jax.lax.top_k(logits, ranks)  # [B, T, H, ranks]
+  width = batch.tokens.shape[1]
+  hits, counts = [], []
+  for k in range(1, heads_config.num_heads + 1):
+    realised = batch.tokens[:, k + 1:]
+    mask = batch.valid[:, k + 1:] & batch.valid[:, :width - k - 1]
+    match = (guesses[:, :width - k - 1, k - 1] == realised[..., None]) & mask[..., None]
+    hits.append(jnp.sum(match, axis=(0, 1)))
+    counts.append(jnp.sum(mask))
+  return jnp.stack(hits), jnp.stack(counts)
+
+
+def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_k: int,
+                  chunk: int = 64) -> DistillBatch:
+  """build_batch over chunks of sequences (bounded memory), concatenated on the host."""
+  chunks = [build_batch(model_config, params, sequences[i:i + chunk], width, top_k)
+            for i in range(0, len(sequences), chunk)]
+  return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
+
+
+def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: DistillBatch,
+                seed: int = 0, init_params=None):
+  """Optax training of the head pytree alone; returns (head params, last loss)."""
+  params = init_params if init_params is not None else init_heads(heads_config, policy.config,
+                                                                  seed)
+  optimizer = make_optimizer(config)
+  opt_state = optimizer.init(params)
+  rng = np.random.default_rng(seed)
+  rows = train.tokens.shape[0]
+  loss = float('nan')
+  with tqdm(range(config.steps), desc='training heads', file=sys.stderr) as bar:
+    for _ in bar:
+      index = rng.choice(rows, min(config.batch_size, rows), replace=False)
+      batch = jax.tree.map(lambda x: x[index], train)
+      params, opt_state, loss = train_step(heads_config, policy.config, config, optimizer,
+                                           params, opt_state, policy.params, batch)
+      bar.set_postfix(loss=f'{float(loss):.3f}')
+  return params, float(loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartResult:
+  params: dict
+  loss: float
+  rank_hit_rate_before: np.ndarray  # [H, ranks] on held-out generations
+  rank_hit_rate_after: np.ndarray
+
+
+def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts, *,
+               num_sequences: int, held_out: int, max_new_tokens: int, temperature: float,
+               seed: int, report_ranks: int = 8) -> WarmStartResult:
+  """Samples the policy's own generations and self-distils fresh heads on them."""
+  total = num_sequences + held_out
+  prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
+  eos = () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=temperature), eos)
+  driver = Driver(engine, RolloutConfig(max_new_tokens, max_batch=64))
+  with tqdm(total=total, desc='generating', file=sys.stderr) as bar:
+    responses = driver.generate(policy.params, prompt_rows, 1, seed, progress=bar)
+  sequences = [prompt_rows[r.prompt_index] + r.token_ids for r in responses]
+  width = max(len(p) for p in prompt_rows) + max_new_tokens
+  train = stack_batches(policy.config, policy.params, sequences[:num_sequences], width,
+                        config.target_top_k)
+  held = build_batch(policy.config, policy.params, sequences[num_sequences:], width,
+                     config.target_top_k)
+
+  def rates(params):
+    hits, counts = rank_hits(heads_config, policy.config, params, policy.params, report_ranks,
+                             held)
+    return np.asarray(hits) / np.maximum(np.asarray(counts), 1)[:, None]
+
+  before = rates(init_heads(heads_config, policy.config, seed))
+  params, loss = train_heads(policy, heads_config, config, train, seed)
+  return WarmStartResult(params, loss, before, rates(params))

@@ -1,0 +1,95 @@
+"""Horizon heads: H residual blocks on the policy's last hidden state.
+
+Head k (1..H) maps h_t to z_{t,k} = h_t + W2_k silu(W1_k norm_k(h_t)) and predicts token
+x_{t+k+1} through the policy's own vocabulary projection W: q_{t,k} = S(W z_{t,k}). There is
+no second backbone and no second KV cache; head parameters are their own pytree. W2 starts
+at zero, so a fresh head proposes the policy's own next-token distribution.
+"""
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from safetensors.flax import load_file, save_file
+
+from specroll_jax.config import ModelConfig
+
+HEADS_FILE = 'heads.safetensors'
+HEADS_CONFIG_FILE = 'heads_config.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+  num_heads: int = 4
+  hidden_multiplier: float = 1.0  # inner width of each residual block, in units of D
+
+  def inner_size(self, model_config: ModelConfig) -> int:
+    return max(1, int(round(self.hidden_multiplier * model_config.hidden_size)))
+
+
+class HorizonHeads(nn.Module):
+  """h [..., D] -> z [..., H, D], the per-head hidden states fed to the shared projection."""
+  config: HeadsConfig
+  model_config: ModelConfig
+
+  @nn.compact
+  def __call__(self, hidden):
+    c, m = self.config, self.model_config
+    dim, inner = m.hidden_size, c.inner_size(m)
+    norm = self.param('norm', nn.initializers.ones, (c.num_heads, dim), jnp.float32)
+    w1 = self.param('w1', nn.initializers.variance_scaling(1.0, 'fan_in', 'normal',
+                                                           in_axis=1, out_axis=2),
+                    (c.num_heads, dim, inner), jnp.float32)
+    w2 = self.param('w2', nn.initializers.zeros, (c.num_heads, inner, dim), jnp.float32)
+    h = hidden.astype(jnp.float32)
+    normed = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + m.rms_norm_eps)
+    normed = normed[..., None, :] * norm
+    update = jnp.einsum('...hf,hfd->...hd', nn.silu(jnp.einsum('...hd,hdf->...hf', normed, w1)), w2)
+    return (h[..., None, :] + update).astype(hidden.dtype)
+
+
+def init_heads(config: HeadsConfig, model_config: ModelConfig, seed: int = 0) -> dict:
+  dummy = jnp.zeros((1, model_config.hidden_size), model_config.jnp_dtype)
+  return HorizonHeads(config, model_config).init(jax.random.key(seed), dummy)['params']
+
+
+def apply_heads(config: HeadsConfig, model_config: ModelConfig, params, hidden):
+  return HorizonHeads(config, model_config).apply({'params': params}, hidden)
+
+
+def save_heads(directory, config: HeadsConfig, params, metadata: dict | None = None) -> None:
+  """Writes heads.safetensors + heads_config.json (hyperparameters and training metadata)."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  flat = {'/'.join(k): v for k, v in traverse_util.flatten_dict(params).items()}
+  tmp = directory / (HEADS_FILE + '.tmp')
+  save_file(flat, str(tmp))
+  tmp.replace(directory / HEADS_FILE)
+  record = {'heads': dataclasses.asdict(config), 'metadata': metadata or {}}
+  (directory / HEADS_CONFIG_FILE).write_text(json.dumps(record, indent=2) + '\n')
+
+
+def load_heads(directory, model_config: ModelConfig) -> tuple[HeadsConfig, dict]:
+  """Reads heads saved by save_heads, checking they fit this policy's hidden size."""
+  directory = Path(directory)
+  config_path, weights_path = directory / HEADS_CONFIG_FILE, directory / HEADS_FILE
+  for path in (config_path, weights_path):
+    if not path.is_file():
+      raise FileNotFoundError(f'{path}: not found (train heads with experiments.train_heads)')
+  try:
+    config = HeadsConfig(**json.loads(config_path.read_text())['heads'])
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f'{config_path}: not a heads config ({e})') from None
+  params = traverse_util.unflatten_dict(
+      {tuple(k.split('/')): v for k, v in load_file(str(weights_path)).items()})
+  expected = jax.eval_shape(lambda: init_heads(config, model_config))
+  for name, want in traverse_util.flatten_dict(expected).items():
+    got = traverse_util.flatten_dict(params).get(name)
+    if got is None or got.shape != want.shape:
+      shape = None if got is None else tuple(got.shape)
+      raise ValueError(f'{weights_path}: tensor {"/".join(name)!r} has shape {shape}, this '
+                       f'policy (hidden_size={model_config.hidden_size}) needs {want.shape}')
+  return config, params

@@ -1,0 +1,136 @@
+"""The capacity profiler: knee selection, a real (tiny) measurement, and the profile cache."""
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+
+from specroll_jax import capacity
+from specroll_jax.capacity import CapacityProfile, pick_capacity
+
+
+def _sweep(batch, latencies):
+  """Rows for nodes 1, 2, 4, ... with the given latencies (ms)."""
+  return [(batch, 2 ** i, batch * 2 ** i, ms) for i, ms in enumerate(latencies)]
+
+
+def test_knee_is_last_total_before_first_crossing():
+  rows = _sweep(8, [1.0, 1.0, 1.1, 1.3, 1.31, 2.0])
+  assert pick_capacity(rows, knee_factor=1.3) == 8 * 8  # 1.3 is within, 1.31 is not
+  # A noisy dip back under the threshold after the knee does not move it.
+  assert pick_capacity(_sweep(8, [1.0, 1.1, 1.5, 1.2, 1.25]), knee_factor=1.3) == 16
+
+
+def test_capacity_is_median_of_batches_and_at_least_largest_batch():
+  rows = (_sweep(16, [1.0, 1.0, 2.0])             # knee at 32 tokens
+          + _sweep(8, [1.0, 1.0, 1.0, 1.0, 2.0])  # knee at 64
+          + _sweep(4, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0]))  # knee at 128
+  assert pick_capacity(rows, 1.3) == 64
+  # Every batch saturates at once: still one node per row at the largest batch.
+  assert pick_capacity(_sweep(64, [1.0, 3.0]) + _sweep(8, [1.0, 3.0]), 1.3) == 64
+
+
+def test_batches_that_never_cross_are_lower_bounds():
+  flat = [1.0] * 5  # nodes 1..16 all within the knee
+  # Most batches flat: C_hw is the largest total measured flat.
+  rows = _sweep(32, flat) + _sweep(16, flat) + _sweep(8, [1.0, 2.0, 2.0, 2.0, 2.0])
+  assert pick_capacity(rows, 1.3) == 32 * 16
+  # A flat batch sorts above every knee, whatever its own total.
+  rows = _sweep(32, [1.0, 1.0, 1.0, 2.0]) + _sweep(16, [1.0, 1.0, 2.0]) + _sweep(2, flat)
+  assert pick_capacity(rows, 1.3) == 128
+
+
+def test_bad_measurements_are_rejected():
+  with pytest.raises(ValueError, match='no nodes=1'):
+    pick_capacity([(8, 2, 16, 1.0)], 1.3)
+  with pytest.raises(ValueError, match='knee_factor'):
+    pick_capacity(_sweep(8, [1.0, 1.0]), 1.0)
+
+
+def test_node_counts_double_up_to_the_maximum():
+  assert capacity.node_counts(1) == [1]
+  assert capacity.node_counts(8) == [1, 2, 4, 8]
+  assert capacity.node_counts(6) == [1, 2, 4, 6]
+
+
+def test_real_measurement_gives_a_sane_profile(stories_policy):
+  config = stories_policy.config
+  # Each (batch, nodes) compiles once (seconds on CPU), so the grid is kept to four shapes.
+  profile = capacity.measure_capacity(config, stories_policy.params, batches=(4, 2),
+                                      max_nodes=2, cache_length=32, repeats=2)
+  assert profile.key == capacity.profile_key(config)
+  assert [(b, n, t) for b, n, t, _ in profile.measurements] == [
+      (4, 1, 4), (4, 2, 8), (2, 1, 2), (2, 2, 4)]
+  assert all(math.isfinite(ms) and ms > 0 for *_, ms in profile.measurements)
+  assert profile.capacity_tokens == pick_capacity(profile.measurements, profile.knee_factor)
+  assert 4 <= profile.capacity_tokens <= 8
+  assert CapacityProfile.from_json(profile.to_json()) == profile
+
+
+@pytest.fixture
+def fake_measure(monkeypatch, stories_policy):
+  """Replaces the measurement with a canned profile for this model and counts the calls."""
+  fingerprint, dtype, backend, device_kind = capacity.profile_key(stories_policy.config)
+  profile = CapacityProfile(
+      config_fingerprint=fingerprint, dtype=dtype, backend=backend, device_kind=device_kind,
+      capacity_tokens=128, measurements=((64, 1, 64, 1.0), (64, 2, 128, 1.2)),
+      knee_factor=1.3, cache_length=256, created='2026-01-01T00:00:00+00:00')
+  calls = []
+
+  def measure(config, params, **kwargs):
+    calls.append(kwargs)
+    return profile
+
+  monkeypatch.setattr(capacity, 'measure_capacity', measure)
+  return profile, calls
+
+
+def test_cached_profile_is_reused(tmp_path, stories_policy, fake_measure, monkeypatch):
+  profile, calls = fake_measure
+  config, params = stories_policy.config, stories_policy.params
+  assert capacity.load_or_measure(config, params, tmp_path, repeats=3) == profile
+  assert calls == [{'repeats': 3}]
+  [path] = tmp_path.glob('*.json')  # and no temporary file left behind
+
+  def fail(*args, **kwargs):
+    raise AssertionError('measured although a valid profile was cached')
+
+  monkeypatch.setattr(capacity, 'measure_capacity', fail)
+  assert capacity.load_or_measure(config, params, tmp_path) == profile
+  assert path == capacity.profile_path(profile.key, tmp_path)
+
+
+def test_cache_dir_comes_from_the_environment(tmp_path, stories_policy, fake_measure,
+                                              monkeypatch):
+  monkeypatch.setenv(capacity.CACHE_DIR_ENV, str(tmp_path))
+  profile, _ = fake_measure
+  capacity.load_or_measure(stories_policy.config, stories_policy.params)
+  assert capacity.profile_path(profile.key, tmp_path).is_file()
+
+
+def _without(profile, field):
+  raw = json.loads(profile.to_json())
+  del raw[field]
+  return json.dumps(raw)
+
+
+@pytest.mark.parametrize('corrupt, reason', [
+    (lambda p: '{"capacity_tokens": 12', 'unusable'),
+    (lambda p: _without(p, 'capacity_tokens'), "missing fields \\['capacity_tokens'\\]"),
+    (lambda p: p.to_json().replace('"measurements": [', '"measurements": [7, '), 'unusable'),
+    (lambda p: dataclasses.replace(p, device_kind='TPU v9').to_json(), 'is for'),
+])
+def test_corrupt_or_mismatched_profile_is_measured_again(tmp_path, stories_policy, fake_measure,
+                                                         caplog, corrupt, reason):
+  profile, calls = fake_measure
+  path = capacity.profile_path(profile.key, tmp_path)
+  path.write_text(corrupt(profile))
+  with caplog.at_level('WARNING'):
+    assert capacity.load_or_measure(stories_policy.config, stories_policy.params,
+                                    tmp_path) == profile
+  assert len(calls) == 1
+  [record] = [r for r in caplog.records if r.levelname == 'WARNING']
+  assert str(path) in record.getMessage()
+  assert re.search(reason, record.getMessage())
+  assert CapacityProfile.from_json(path.read_text()) == profile

@@ -1,0 +1,70 @@
+"""Sparse trees: the budget rule, best-first prefix-closed selection, ancestor masks."""
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax.tree import TreeConfig, build_tree, edge_scores
+
+
+def test_budget_follows_concurrency():
+  config = TreeConfig(capacity_tokens=256, max_nodes=64)
+  running = jnp.array([1, 4, 64, 256, 1000])
+  np.testing.assert_array_equal(config.budget(running, 64), [64, 64, 4, 1, 1])
+  np.testing.assert_array_equal(config.budget(running, 16), [16, 16, 4, 1, 1])
+  assert config.node_bucket(min_running=33) == 8   # 256 // 33 = 7 -> 8 slots
+  assert config.node_bucket(min_running=1) == 64
+
+
+def _brute_force_best(scores, branching, budget):
+  """All prefix-closed rank-path sets of size budget - 1, by expected accepted length."""
+  paths = [p for d in range(1, len(branching) + 1)
+           for p in itertools.product(*[range(b) for b in branching[:d]])]
+  value = lambda p: np.prod([scores[d, r] for d, r in enumerate(p)])
+  best = -1.0
+  for subset in itertools.combinations(paths, budget - 1):
+    chosen = set(subset)
+    if all(p[:-1] in chosen or len(p) == 1 for p in chosen):
+      best = max(best, sum(value(p) for p in chosen))
+  return best
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_tree_is_prefix_closed_and_optimal(seed):
+  config = TreeConfig(branching=(3, 2, 2), max_nodes=8, capacity_tokens=8)
+  rng = np.random.default_rng(seed)
+  probs = -np.sort(-rng.dirichlet(np.ones(4), size=(1, 3)), axis=-1)[..., :3].astype(np.float32)
+  rates = rng.uniform(0, 1, size=(1, 3, 3)).astype(np.float32)
+  tokens = jnp.asarray(rng.integers(10, 500, size=(1, 3, 3)), jnp.int32)
+  scores = np.asarray(edge_scores(probs, rates, config))
+  for budget in (1, 3, 6):
+    tree = build_tree(jnp.array([7]), tokens, jnp.asarray(scores), jnp.array([budget]), 8, config)
+    valid = np.asarray(tree.valid[0])
+    parents, depths, ranks = (np.asarray(x[0]) for x in (tree.parents, tree.depths, tree.ranks))
+    assert valid.sum() == budget and tree.tokens[0, 0] == 7
+    rank_path = {0: ()}
+    total = 0.0
+    for n in range(1, budget):
+      assert valid[parents[n]] and parents[n] < n and depths[n] == depths[parents[n]] + 1
+      rank_path[n] = rank_path[parents[n]] + (ranks[n],)
+      assert tree.tokens[0, n] == tokens[0, depths[n] - 1, ranks[n]]
+      total += np.prod([scores[0, d, r] for d, r in enumerate(rank_path[n])])
+    assert len(set(rank_path.values())) == budget
+    if budget > 1:
+      assert total == pytest.approx(_brute_force_best(scores[0], (3, 2, 2), budget), rel=1e-5)
+
+
+def test_ancestor_mask():
+  config = TreeConfig(branching=(2, 2), max_nodes=5, capacity_tokens=5)
+  scores = jnp.array([[[0.9, 0.5], [0.8, 0.1]]])
+  tokens = jnp.array([[[11, 12], [21, 22]]])
+  tree = build_tree(jnp.array([1]), tokens, scores, jnp.array([5]), 5, config)
+  mask = np.asarray(tree.ancestor_mask(2)[0])
+  for n in range(5):
+    expected = {n}
+    node = n
+    while node:
+      node = int(tree.parents[0, node])
+      expected.add(node)
+    assert set(np.flatnonzero(mask[n])) == expected
