@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
+from specroll_jax.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.capacity import load_or_measure
 from specroll_jax.engines import ENGINES, make_engine, summarize
 from specroll_jax.mesh import MeshConfig, data_size, make_mesh, shard_params
@@ -34,6 +35,8 @@ flags.DEFINE_integer('capacity_tokens', 0,
                      'C_hw for the tree budget; 0 = the cached capacity profile (measured '
                      'on first use, see experiments.profile_capacity).')
 flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root included.')
+flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
+                  'Attention of the verification forward: xla or the Pallas kernel.')
 flags.DEFINE_list('branching', ['8', '4', '2', '2'], 'Candidate ranks per tree depth.')
 flags.DEFINE_integer('max_batch', 64, 'Largest compiled batch bucket.')
 flags.DEFINE_integer('mesh_data', 1, 'Devices on the data axis (-1: all).')
@@ -60,7 +63,7 @@ def main(argv):
                       max_nodes=FLAGS.max_nodes, capacity_tokens=capacity)
   rows = data_size(mesh) if mesh else 1
   engine, params = make_engine(policy, FLAGS.engine, sampler, heads_dir=FLAGS.heads, tree=tree,
-                               mesh=mesh, data_size=rows)
+                               mesh=mesh, data_size=rows, tree_attention=FLAGS.tree_attention)
   driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch), data_size=rows)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)

@@ -50,3 +50,22 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
          + jnp.einsum('bkqt,btkd->bkqd', weights[..., s_len:], f32(v_block)))
   out = out.reshape(batch, num_kv, t_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, t_len, num_heads, head_dim).astype(q.dtype)
+
+
+ATTENTION_IMPLEMENTATIONS = ('xla', 'pallas')
+
+
+def attention_implementation(name: str):
+  """'xla' (block_attention) or 'pallas' (kernels.tree_attention, same contract).
+
+  XLA is the default everywhere: on CPU the Pallas kernel only runs in interpret mode
+  (30-100x slower, see kernels/bench_tree_attention.py), and it has not yet been timed or
+  verified on a GPU or TPU in this project.
+  """
+  if name == 'xla':
+    return block_attention
+  if name == 'pallas':
+    from kernels.tree_attention import tree_attention  # Pallas import only when chosen
+    return tree_attention
+  raise ValueError(f'unknown attention implementation {name!r} '
+                   f'(choose from {", ".join(ATTENTION_IMPLEMENTATIONS)})')

@@ -16,7 +16,8 @@ def eos_ids(policy: Policy) -> tuple:
 
 
 def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, heads_dir=None,
-                tree: TreeConfig | None = None, mesh=None, data_size: int = 1):
+                tree: TreeConfig | None = None, mesh=None, data_size: int = 1,
+                tree_attention: str = 'xla'):
   """Returns (engine, params) for `name` in ENGINES; specroll needs heads_dir and a tree."""
   if name == 'vanilla':
     return VanillaEngine(policy.config, sampler, eos_ids(policy), mesh=mesh), policy.params
@@ -26,7 +27,7 @@ def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, heads_dir=
     raise ValueError('engine=specroll needs --heads (a directory from experiments.train_heads)')
   heads_config, heads = load_heads(heads_dir, policy.config)
   engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy),
-                      data_size=data_size, mesh=mesh)
+                      data_size=data_size, mesh=mesh, tree_attention=tree_attention)
   return engine, SpecParams(policy.params, heads)
 
 

@@ -17,6 +17,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from specroll_jax import sampling
+from specroll_jax.attention import attention_implementation
 from specroll_jax.config import ModelConfig
 from specroll_jax.heads import HeadsConfig, apply_heads
 from specroll_jax.kv_cache import KVCache, commit
@@ -66,6 +67,7 @@ class SpecEngine:
   data_size: int = 1  # smallest batch bucket (the data axis size)
   mesh: Mesh | None = None
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
+  tree_attention: str = 'xla'        # attention for the tree forward (attention.py)
 
   def __post_init__(self):
     if self.tree_config.depth > self.heads_config.num_heads:
@@ -145,7 +147,8 @@ class SpecEngine:
     tree = build_tree(root, head_tokens, edge_scores(head_probs, rate, tc),
                       jnp.full((batch,), budget, jnp.int32), width, tc)
 
-    hidden, block = self.model.apply({'params': params.policy}, tree.tokens,
+    verifier = Transformer(self.model_config, attention_implementation(self.tree_attention))
+    hidden, block = verifier.apply({'params': params.policy}, tree.tokens,
                                      positions[:, None] + tree.depths,
                                      tree.ancestor_mask(tc.depth), state.cache)
     project = lambda h: self.model.apply({'params': params.policy}, h,

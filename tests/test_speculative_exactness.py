@@ -157,3 +157,33 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
     stat = np.sum((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b)
     p_value = float(gammaincc((seen.sum() - 1) / 2, stat / 2))
     assert p_value > 1e-3, (position, stat, p_value)
+
+
+def test_no_recompilation_in_steady_state(stories_policy):
+  from specroll_jax.compilation import count_compilations
+  policy = stories_policy
+  sampler = SamplerConfig(temperature=1.0)
+  engine = SpecEngine(policy.config, HEADS, TreeConfig(capacity_tokens=32, max_nodes=16),
+                      sampler, (2,))
+  driver = Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=8))
+  params = SpecParams(policy.params, _heads(policy, 'random'))
+  driver.generate(params, _encode(policy), 3, seed=0)
+  other = [policy.tokenizer.encode(t) for t in ('A dog', 'The sun was hot', 'Tim', 'Sue ran')]
+  with count_compilations() as compiled:
+    driver.generate(params, other, 3, seed=5)
+    assert compiled() == 0
+
+
+def test_pallas_tree_attention_engine_matches_vanilla(stories_policy):
+  """The engine with the Pallas kernel (interpret mode on CPU) in the verification forward."""
+  policy = stories_policy
+  sampler = SamplerConfig(temperature=0.0)
+  config = RolloutConfig(max_new_tokens=12, max_batch=2)
+  prompts = _encode(policy)[:2]
+  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), config).generate(
+      policy.params, prompts, 1, 0)
+  engine = SpecEngine(policy.config, HEADS, TreeConfig(capacity_tokens=16, max_nodes=8),
+                      sampler, (2,), tree_attention='pallas')
+  spec = Driver(engine, config).generate(SpecParams(policy.params, _heads(policy, 'fresh')),
+                                         prompts, 1, 0)
+  _check(vanilla, spec, greedy=True)
