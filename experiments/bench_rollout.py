@@ -22,14 +22,12 @@ from absl import app
 from ml_collections import config_flags
 
 from specroll_jax import distill, load_policy
-from specroll_jax.capacity import load_or_measure
 from specroll_jax.decode import VanillaEngine
-from specroll_jax.engines import eos_ids, summarize
+from specroll_jax.engines import eos_ids, prior_acceptance, summarize, tree_config
 from specroll_jax.heads import HeadsConfig, load_heads, save_heads
 from specroll_jax.rollout import Driver, RolloutConfig
 from specroll_jax.sampling import SamplerConfig
 from specroll_jax.speculative import SpecEngine, SpecParams
-from specroll_jax.tree import TreeConfig
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -74,7 +72,8 @@ def compare(policy, heads_config, heads, prompts, c, tree, sampler):
   """One side-by-side run of the three engines on `prompts`."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=max(len(prompts), 1))
   vanilla = Driver(VanillaEngine(policy.config, sampler, eos_ids(policy)), rollout)
-  spec_engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy))
+  spec_engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy),
+                           prior_accept=prior_acceptance(c.heads_dir))
   spec = Driver(spec_engine, rollout)
   reference = vanilla.generate(policy.params, prompts, 1, c.seed)  # also compiles
   oracle_tokens = np.zeros((len(prompts), c.max_new_tokens), np.int32)
@@ -111,9 +110,10 @@ def main(argv):
   c = _CONFIG.value
   policy = load_policy(c.checkpoint)
   heads_config, heads = ensure_heads(policy, c)
-  capacity = c.capacity_tokens or load_or_measure(policy.config, policy.params).capacity_tokens
-  tree = TreeConfig(branching=tuple(c.branching), max_nodes=c.max_nodes,
-                    capacity_tokens=capacity)
+  tree = tree_config(policy, branching=c.branching, max_nodes=c.max_nodes,
+                     capacity_tokens=c.capacity_tokens,
+                     per_batch_capacity=c.capacity_per_batch)
+  capacity = tree.capacity_by_batch or tree.capacity_tokens
   sampler = SamplerConfig(temperature=c.temperature)
   openings = story_openings(policy, c.num_prompts, c.opening_tokens, c.opening_seed)
   main_run = compare(policy, heads_config, heads, openings, c, tree, sampler)

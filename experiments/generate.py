@@ -14,12 +14,10 @@ from tqdm import tqdm
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
 from specroll_jax.attention import ATTENTION_IMPLEMENTATIONS
-from specroll_jax.capacity import load_or_measure
-from specroll_jax.engines import ENGINES, make_engine, summarize
+from specroll_jax.engines import ENGINES, make_engine, summarize, tree_config
 from specroll_jax.mesh import MeshConfig, data_size, make_mesh, shard_params
 from specroll_jax.rollout import Driver, RolloutConfig
 from specroll_jax.sampling import SamplerConfig
-from specroll_jax.tree import TreeConfig
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -33,7 +31,7 @@ flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
 flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll).')
 flags.DEFINE_integer('capacity_tokens', 0,
                      'C_hw for the tree budget; 0 = the cached capacity profile (measured '
-                     'on first use, see experiments.profile_capacity).')
+                     'on first use, see experiments.profile_capacity), per batch size.')
 flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root included.')
 flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
                   'Attention of the verification forward: xla or the Pallas kernel.')
@@ -57,13 +55,11 @@ def main(argv):
     policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
   tree = None
   if FLAGS.engine == 'specroll':
-    capacity = FLAGS.capacity_tokens or load_or_measure(policy.config,
-                                                        policy.params).capacity_tokens
-    tree = TreeConfig(branching=tuple(int(b) for b in FLAGS.branching),
-                      max_nodes=FLAGS.max_nodes, capacity_tokens=capacity)
+    tree = tree_config(policy, branching=[int(b) for b in FLAGS.branching],
+                       max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
   rows = data_size(mesh) if mesh else 1
   engine, params = make_engine(policy, FLAGS.engine, sampler, heads_dir=FLAGS.heads, tree=tree,
-                               mesh=mesh, data_size=rows, tree_attention=FLAGS.tree_attention)
+                               mesh=mesh, tree_attention=FLAGS.tree_attention)
   driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch), data_size=rows)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)

@@ -38,8 +38,9 @@ def main(argv):
     print(f'{batch:6d} {nodes:6d} {total:7d} {ms:11.3f} {ms / base[batch]:6.2f}')
   print(f'C_hw = {profile.capacity_tokens} tokens (knee factor {profile.knee_factor}; '
         f'{profile.backend} / {profile.device_kind}, {profile.dtype})')
-  print('N_t = ' + ', '.join(f'{min(profile.capacity_tokens // b, FLAGS.max_nodes)} at B={b}'
-                             for b in batches))
+  print('per batch (used by default): ' + ', '.join(
+      f'B={b}: C_hw={tokens}, N_t={min(tokens // b, FLAGS.max_nodes)}'
+      for b, tokens in profile.capacity_by_batch()))
   print(f'wrote {path}')
 
 

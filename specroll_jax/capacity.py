@@ -57,6 +57,13 @@ class CapacityProfile:
   def key(self) -> tuple:
     return (self.config_fingerprint, self.dtype, self.backend, self.device_kind)
 
+  def capacity_by_batch(self) -> tuple:
+    """((batch, tokens), ...) ascending: the knee measured at each batch size, for hardware
+    whose knee moves with the batch (on a 2-core CPU it grows from 16 tokens at batch 8 to
+    128 at batch 64, so one C_hw over-spends at small batches)."""
+    return tuple((b, tokens) for b, (tokens, _) in
+                 sorted(batch_capacities(self.measurements, self.knee_factor).items()))
+
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
 
@@ -88,34 +95,44 @@ def baselines(measurements) -> dict:
   return base
 
 
-def pick_capacity(measurements, knee_factor: float) -> int:
-  """C_hw (tokens) from (batch, nodes, total_tokens, latency_ms) rows.
+def batch_capacities(measurements, knee_factor: float) -> dict:
+  """batch -> (tokens, knee_found) from (batch, nodes, total_tokens, latency_ms) rows.
 
   A batch's capacity is the largest total before the first node count whose latency exceeds
   knee_factor x its baseline; the first crossing is the knee, so a later noisy dip under the
-  threshold does not move it. A batch that never crosses only bounds its capacity from below.
+  threshold does not move it. A batch that never crosses only bounds its capacity from below
+  (knee_found False, tokens = the largest total measured flat). Never below one node per row.
   """
   if knee_factor <= 1:
     raise ValueError(f'knee_factor must be > 1, got {knee_factor}')
   base = baselines(measurements)
-  knees, bounds = [], []
+  out = {}
   for batch in sorted(base):
     rows = sorted(row for row in measurements if row[0] == batch)
-    totals = [total for _, _, total, _ in rows]
     crossing = next((i for i, (_, _, _, ms) in enumerate(rows)
                      if ms > knee_factor * base[batch]), None)
     if crossing is None:
-      bounds.append(totals[-1])
+      out[batch] = (rows[-1][2], False)
     else:
-      knees.append(totals[crossing - 1])  # crossing >= 1: the baseline never exceeds itself
-  # The median, not the min: the per-batch knees estimate one hardware limit, and one noisy
-  # sweep should not set it. A lower bound is unknown above its value, so it sorts above every
-  # knee. If the median is a lower bound, most batches stayed flat over the whole sweep:
-  # C_hw is then the largest total measured flat, giving those batches the most nodes tried.
+      out[batch] = (max(rows[crossing - 1][2], batch), True)  # the baseline never exceeds itself
+  return out
+
+
+def pick_capacity(measurements, knee_factor: float) -> int:
+  """One C_hw (tokens) for all batch sizes: the lower median of the per-batch capacities.
+
+  The median, not the min: the per-batch knees estimate one hardware limit, and one noisy
+  sweep should not set it. A lower bound is unknown above its value, so it sorts above every
+  knee. If the median is a lower bound, most batches stayed flat over the whole sweep:
+  C_hw is then the largest total measured flat, giving those batches the most nodes tried.
+  """
+  per_batch = batch_capacities(measurements, knee_factor)
+  knees = [tokens for tokens, found in per_batch.values() if found]
+  bounds = [tokens for tokens, found in per_batch.values() if not found]
   median = statistics.median_low(sorted(knees) + [math.inf] * len(bounds))
   capacity = max(bounds) if median == math.inf else median
   # At least one node per row at the largest batch: N_t = C_hw // B_t >= 1.
-  return int(max(capacity, max(base)))
+  return int(max(capacity, max(per_batch)))
 
 
 @partial(jax.jit, static_argnums=(0, 1))

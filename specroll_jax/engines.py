@@ -1,8 +1,9 @@
 """Building a rollout engine by name, and summarising what a rollout did."""
 import numpy as np
 
+from specroll_jax.capacity import load_or_measure
 from specroll_jax.decode import VanillaEngine
-from specroll_jax.heads import load_heads
+from specroll_jax.heads import heads_metadata, load_heads
 from specroll_jax.policy import Policy
 from specroll_jax.sampling import SamplerConfig
 from specroll_jax.speculative import SpecEngine, SpecParams
@@ -15,8 +16,27 @@ def eos_ids(policy: Policy) -> tuple:
   return () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
 
 
+def tree_config(policy: Policy, *, branching, max_nodes: int, capacity_tokens: int = 0,
+                per_batch_capacity: bool = True) -> TreeConfig:
+  """A fixed C_hw when capacity_tokens > 0, else the cached (or freshly measured) capacity
+  profile of this model on this backend, per batch size unless per_batch_capacity=False."""
+  if capacity_tokens > 0:
+    return TreeConfig(branching=tuple(branching), max_nodes=max_nodes,
+                      capacity_tokens=capacity_tokens)
+  profile = load_or_measure(policy.config, policy.params)
+  return TreeConfig(branching=tuple(branching), max_nodes=max_nodes,
+                    capacity_tokens=profile.capacity_tokens,
+                    capacity_by_batch=profile.capacity_by_batch() if per_batch_capacity else ())
+
+
+def prior_acceptance(heads_dir) -> tuple | None:
+  """Held-out (head, rank) hit rates from warm start: the trees' prior acceptance rates."""
+  rates = heads_metadata(heads_dir).get('rank_hit_rate')
+  return None if rates is None else tuple(tuple(float(x) for x in row) for row in rates)
+
+
 def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, heads_dir=None,
-                tree: TreeConfig | None = None, mesh=None, data_size: int = 1,
+                tree: TreeConfig | None = None, mesh=None,
                 tree_attention: str = 'xla'):
   """Returns (engine, params) for `name` in ENGINES; specroll needs heads_dir and a tree."""
   if name == 'vanilla':
@@ -26,8 +46,8 @@ def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, heads_dir=
   if heads_dir is None or tree is None:
     raise ValueError('engine=specroll needs --heads (a directory from experiments.train_heads)')
   heads_config, heads = load_heads(heads_dir, policy.config)
-  engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy),
-                      data_size=data_size, mesh=mesh, tree_attention=tree_attention)
+  engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy), mesh=mesh,
+                      prior_accept=prior_acceptance(heads_dir), tree_attention=tree_attention)
   return engine, SpecParams(policy.params, heads)
 
 

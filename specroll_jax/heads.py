@@ -72,6 +72,11 @@ def save_heads(directory, config: HeadsConfig, params, metadata: dict | None = N
   (directory / HEADS_CONFIG_FILE).write_text(json.dumps(record, indent=2) + '\n')
 
 
+def heads_metadata(directory) -> dict:
+  """The training metadata save_heads stored (e.g. 'rank_hit_rate' [H][ranks])."""
+  return json.loads((Path(directory) / HEADS_CONFIG_FILE).read_text()).get('metadata', {})
+
+
 def load_heads(directory, model_config: ModelConfig) -> tuple[HeadsConfig, dict]:
   """Reads heads saved by save_heads, checking they fit this policy's hidden size."""
   directory = Path(directory)

@@ -64,7 +64,6 @@ class SpecEngine:
   tree_config: TreeConfig
   sampler: sampling.SamplerConfig
   eos_ids: tuple
-  data_size: int = 1  # smallest batch bucket (the data axis size)
   mesh: Mesh | None = None
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
   tree_attention: str = 'xla'        # attention for the tree forward (attention.py)
@@ -79,14 +78,13 @@ class SpecEngine:
     return Transformer(self.model_config)
 
   def tree_width(self, batch: int) -> int:
-    """Static node slots for a batch bucket (one compiled shape per bucket).
+    """Static node slots for a batch bucket: the budget of a full bucket, C_hw(B) // B.
 
-    The driver moves rows to a smaller bucket once at most the next smaller bucket (>= B/2)
-    are running, so inside bucket B more than B // 2 rows run, except in the smallest
-    bucket, where the last row may run alone.
+    Sizing for a full bucket means no slot is computed and left empty when the segment
+    starts; as rows finish inside the segment the budget stays capped at this width until
+    the driver compacts the batch, and the next bucket's trees are twice as wide.
     """
-    min_running = batch // 2 + 1 if batch > self.data_size else 1
-    return self.tree_config.node_bucket(min_running)
+    return self.tree_config.node_bucket(self.tree_config.capacity(batch), batch)
 
   def _prior(self):
     depth, k = self.tree_config.depth, self.tree_config.top_k
@@ -112,23 +110,26 @@ class SpecEngine:
 
     return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
 
-  def propose(self, params: SpecParams, last_hidden, seqs: Sequences):
-    """Each head's top-K tokens and probabilities under the sampling transform."""
+  def propose(self, params: SpecParams, last_hidden, seqs: Sequences, depth: int):
+    """Top-K tokens and probabilities of the first `depth` heads (under the sampling
+    transform), zero-padded to the tree depth: a tree of N slots never reaches below N - 1."""
+    tc = self.tree_config
     z = apply_heads(self.heads_config, self.model_config, params.heads, last_hidden)
-    z = z[:, :self.tree_config.depth]
+    z = z[:, :depth]
     logits = self.model.apply({'params': params.policy}, z, method=Transformer.project)
     if not self.sampler.greedy:
       logits = sampling.transform_logits(logits, self.sampler)
-    probs, tokens = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.tree_config.top_k)
+    probs, tokens = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), tc.top_k)
     tokens = tokens.astype(jnp.int32)
     if params.oracle_tokens is not None:
       # Head d's node sits d tokens after the root, whose index is num_generated.
-      future = seqs.num_generated[:, None] + jnp.arange(1, self.tree_config.depth + 1)
+      future = seqs.num_generated[:, None] + jnp.arange(1, depth + 1)
       true = params.oracle_tokens.at[seqs.response_ids[:, None], future].get(
           mode='fill', fill_value=0)
       tokens = tokens.at[:, :, 0].set(true)
       probs = probs.at[:, :, 0].set(1.0)
-    return tokens, probs
+    pad = ((0, 0), (0, tc.depth - depth), (0, 0))
+    return jnp.pad(tokens, pad), jnp.pad(probs, pad)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
     seqs, stats, tc = state.seqs, state.stats, self.tree_config
@@ -139,11 +140,12 @@ class SpecEngine:
                          sampling.token_keys(seed_key, seqs.response_ids, positions), self.sampler)
     root_logprob = sampling.token_logprob(state.next_logits, root, self.sampler)
 
-    head_tokens, head_probs = self.propose(params, state.last_hidden, seqs)
+    depth = min(tc.depth, width - 1)
+    head_tokens, head_probs = self.propose(params, state.last_hidden, seqs, depth)
     prior = self._prior()
     rate = ((stats.hits + tc.prior_strength * prior)
             / (stats.reached[..., None] + tc.prior_strength))
-    budget = tc.budget(jnp.sum(~seqs.done), width)
+    budget = tc.budget(tc.capacity(batch), jnp.sum(~seqs.done), width)
     tree = build_tree(root, head_tokens, edge_scores(head_probs, rate, tc),
                       jnp.full((batch,), budget, jnp.int32), width, tc)
 
@@ -154,7 +156,7 @@ class SpecEngine:
     project = lambda h: self.model.apply({'params': params.policy}, h,
                                          method=Transformer.project)
     result = walk(tree, hidden, project, seed_key, seqs.response_ids, positions, self.sampler,
-                  tc.depth)
+                  tc.depth, self.model_config.vocab_size)
 
     running = ~seqs.done
     logprobs = jnp.concatenate([root_logprob[:, None], result.logprobs], axis=1)

@@ -28,6 +28,7 @@ class TreeConfig:
   branching: tuple = (8, 4, 2, 2)  # candidate ranks per depth; len(branching) = heads used
   max_nodes: int = 64              # N_max, root included
   capacity_tokens: int = 1024      # C_hw: tokens one verification forward takes at the knee
+  capacity_by_batch: tuple = ()    # ((batch, C_hw), ...) ascending; overrides capacity_tokens
   head_weight: float = 0.5         # weight of head probability vs online acceptance rate
   prior_strength: float = 4.0      # pseudo-trials behind the initial acceptance rates
 
@@ -51,14 +52,22 @@ class TreeConfig:
   def candidates(self) -> 'CandidateTable':
     return CandidateTable.build(self.branching)
 
-  def node_bucket(self, min_running: int) -> int:
-    """Static tree width for a batch bucket whose running count stays >= min_running."""
-    widest = min(self.max_nodes, max(1, self.capacity_tokens // max(1, min_running)))
+  def capacity(self, batch: int) -> int:
+    """C_hw for a batch bucket: the profiled knee of the nearest measured batch at or above
+    it (the largest measured one beyond the table), else the single capacity_tokens."""
+    if not self.capacity_by_batch:
+      return self.capacity_tokens
+    return next((tokens for b, tokens in self.capacity_by_batch if b >= batch),
+                self.capacity_by_batch[-1][1])
+
+  def node_bucket(self, capacity: int, running: int) -> int:
+    """Static tree width for `running` rows: N_t rounded up to a power of two."""
+    widest = min(self.max_nodes, max(1, capacity // max(1, running)))
     return min(pow2_at_least(widest, 1), self.max_nodes, 1 + self.candidates.size)
 
-  def budget(self, running: jax.Array, width: int) -> jax.Array:
-    """N_t per response for `running` unfinished rows, capped by the compiled width."""
-    return jnp.clip(self.capacity_tokens // jnp.maximum(running, 1), 1, min(width, self.max_nodes))
+  def budget(self, capacity: int, running: jax.Array, width: int) -> jax.Array:
+    """N_t = clip(C_hw // B_t, 1, N_max) per response, capped by the compiled width."""
+    return jnp.clip(capacity // jnp.maximum(running, 1), 1, min(width, self.max_nodes))
 
 
 @dataclasses.dataclass(frozen=True)

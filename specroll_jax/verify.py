@@ -7,6 +7,9 @@ descends; otherwise it stops. Every emitted token is therefore the policy's own 
 its actual prefix: the same tokens as vanilla sampling, up to float near-ties between
 differently shaped forwards. The draw that ends the walk is not emitted here: it is exactly
 the next step's root draw (same logits, same key), so it is emitted there.
+
+The walk is a `lax.while_loop` over depth that stops as soon as no row is still descending:
+with typical acceptance most steps end after one or two projections instead of H + 1.
 """
 import jax
 import jax.numpy as jnp
@@ -28,35 +31,45 @@ class WalkResult:
 
 
 def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
-         sampler: sampling.SamplerConfig, max_depth: int) -> WalkResult:
+         sampler: sampling.SamplerConfig, max_depth: int, vocab_size: int) -> WalkResult:
   """Verifies `tree` given the policy's hidden states at its nodes.
 
   Args:
     hidden: [B, N, D] policy hidden states at the tree nodes.
     project: hidden [B, D] -> float32 logits [B, V] (the policy's vocabulary projection).
     root_positions: int32 [B] absolute position of each root token.
+    max_depth: deepest tree level (H); the walk projects at most H + 1 nodes per row.
   """
   batch = tree.tokens.shape[0]
   rows = jnp.arange(batch)
-  current = jnp.zeros((batch,), jnp.int32)
-  walking = jnp.ones((batch,), bool)
-  path, logprobs, drawn, reached = [current], [], [], []
-  for depth in range(1, max_depth + 1):
+
+  def descend(carry):
+    depth, current, walking, path, logprobs, drawn, reached, last_logits = carry
     logits = project(hidden[rows, current])
     keys = sampling.token_keys(seed_key, response_ids, root_positions + depth)
     y = sampling.draw(logits, keys, sampler)
     is_child = (tree.valid & (tree.parents == current[:, None]) & (tree.depths == depth)
                 & (tree.tokens == y[:, None]))
     found = walking & is_child.any(axis=1)
-    drawn.append(y)
-    reached.append(walking)
+    # A row whose walk ends here keeps these logits: they seed its next step.
+    last_logits = jnp.where((walking & ~found)[:, None], logits, last_logits)
     current = jnp.where(found, jnp.argmax(is_child, axis=1).astype(jnp.int32), current)
-    path.append(jnp.where(found, current, 0))
-    logprobs.append(sampling.token_logprob(logits, y, sampler))
-    walking = found
-  path = jnp.stack(path, axis=1)
+    slot = jnp.minimum(depth, max_depth) - 1  # depth H + 1 only projects; nothing to record
+    record = depth <= max_depth
+    path = path.at[:, depth].set(jnp.where(found, current, 0), mode='drop')
+    logprobs = jnp.where(record, logprobs.at[:, slot].set(
+        sampling.token_logprob(logits, y, sampler)), logprobs)
+    drawn = jnp.where(record, drawn.at[:, slot].set(y), drawn)
+    reached = jnp.where(record, reached.at[:, slot].set(walking), reached)
+    return depth + 1, current, found, path, logprobs, drawn, reached, last_logits
+
+  init = (jnp.int32(1), jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool),
+          jnp.zeros((batch, max_depth + 1), jnp.int32),
+          jnp.zeros((batch, max_depth), jnp.float32), jnp.zeros((batch, max_depth), jnp.int32),
+          jnp.zeros((batch, max_depth), bool), jnp.zeros((batch, vocab_size), jnp.float32))
+  _, _, _, path, logprobs, drawn, reached, last_logits = jax.lax.while_loop(
+      lambda c: (c[0] <= max_depth + 1) & c[2].any(), descend, init)
   accepted = jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
   return WalkResult(
       path=path, accepted=accepted, tokens=jnp.take_along_axis(tree.tokens, path, axis=1),
-      logprobs=jnp.stack(logprobs, axis=1), last_logits=project(hidden[rows, current]),
-      drawn=jnp.stack(drawn, axis=1), reached=jnp.stack(reached, axis=1))
+      logprobs=logprobs, last_logits=last_logits, drawn=drawn, reached=reached)

@@ -11,10 +11,16 @@ from specroll_jax.tree import TreeConfig, build_tree, edge_scores
 def test_budget_follows_concurrency():
   config = TreeConfig(capacity_tokens=256, max_nodes=64)
   running = jnp.array([1, 4, 64, 256, 1000])
-  np.testing.assert_array_equal(config.budget(running, 64), [64, 64, 4, 1, 1])
-  np.testing.assert_array_equal(config.budget(running, 16), [16, 16, 4, 1, 1])
-  assert config.node_bucket(min_running=33) == 8   # 256 // 33 = 7 -> 8 slots
-  assert config.node_bucket(min_running=1) == 64
+  np.testing.assert_array_equal(config.budget(256, running, 64), [64, 64, 4, 1, 1])
+  np.testing.assert_array_equal(config.budget(256, running, 16), [16, 16, 4, 1, 1])
+  assert config.node_bucket(256, running=33) == 8   # 256 // 33 = 7 -> 8 slots
+  assert config.node_bucket(256, running=1) == 64
+
+
+def test_capacity_by_batch_picks_the_nearest_measured_batch():
+  config = TreeConfig(capacity_tokens=999, capacity_by_batch=((8, 16), (32, 128), (64, 128)))
+  assert [config.capacity(b) for b in (1, 8, 9, 32, 64, 128)] == [16, 16, 128, 128, 128, 128]
+  assert TreeConfig(capacity_tokens=999).capacity(8) == 999
 
 
 def _brute_force_best(scores, branching, budget):
