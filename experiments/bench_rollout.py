@@ -124,8 +124,7 @@ def main(argv):
   out = Path(c.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   result = {
-      'command': f'python -m experiments.bench_rollout --config={_CONFIG.config_filename}'
-                 if hasattr(_CONFIG, 'config_filename') else 'python -m experiments.bench_rollout',
+      'command': ' '.join(['python -m experiments.bench_rollout'] + sys.argv[1:]),
       'config': c.to_dict(), 'capacity_tokens': capacity, 'backend': jax.default_backend(),
       'speedup_generation': main_run['specroll']['speedup'],
       'tau': main_run['specroll']['tau'],

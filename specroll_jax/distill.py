@@ -20,7 +20,7 @@ from tqdm import tqdm
 from specroll_jax.config import ModelConfig
 from specroll_jax.decode import VanillaEngine
 from specroll_jax.heads import HeadsConfig, apply_heads, init_heads
-from specroll_jax.model import Transformer, causal_mask
+from specroll_jax.model import Transformer, padded_sequence_hidden
 from specroll_jax.rollout import Driver, RolloutConfig
 from specroll_jax.sampling import SamplerConfig
 
@@ -48,13 +48,9 @@ class DistillConfig:
 @partial(jax.jit, static_argnums=(0, 3))
 def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
   """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
-  batch, width = tokens.shape
-  valid = tokens >= 0
-  safe = jnp.where(valid, tokens, 0)
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  model = Transformer(model_config)
-  hidden, _ = model.apply({'params': params}, safe, positions, causal_mask(valid))
-  logits = model.apply({'params': params}, hidden, method=Transformer.project)
+  hidden, _, _ = padded_sequence_hidden(model_config, params, tokens)
+  logits = Transformer(model_config).apply({'params': params}, hidden,
+                                           method=Transformer.project)
   logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
   return hidden, ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
 

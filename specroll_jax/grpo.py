@@ -22,7 +22,7 @@ import optax
 from flax import struct
 
 from specroll_jax.config import ModelConfig
-from specroll_jax.model import Transformer, causal_mask
+from specroll_jax.model import Transformer, padded_sequence_hidden
 from specroll_jax.rollout import Response
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
@@ -138,14 +138,10 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float):
   Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
   softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
   """
-  batch, width = tokens.shape
-  valid = tokens >= 0
-  safe = jnp.where(valid, tokens, 0)
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  model = Transformer(config)
-  hidden, _ = model.apply({'params': params}, safe, positions, causal_mask(valid))
+  hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
   # The last position predicts nothing in the batch, so it is never projected.
-  logits = model.apply({'params': params}, hidden[:, :-1], method=Transformer.project)
+  logits = Transformer(config).apply({'params': params}, hidden[:, :-1],
+                                     method=Transformer.project)
   scale = 1.0 if temperature == 0 else temperature
   logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
   logp = jnp.take_along_axis(logp_all, safe[:, 1:, None], axis=-1)[..., 0]

@@ -148,3 +148,16 @@ def causal_mask(valid: jax.Array) -> jax.Array:
   t_len = valid.shape[1]
   tril = jnp.tril(jnp.ones((t_len, t_len), bool))
   return tril[None] & valid[:, None, :]
+
+
+def padded_sequence_hidden(config: ModelConfig, params, tokens):
+  """Full-sequence forward over right-padded rows (-1 = padding), as learners need it.
+
+  Returns (hidden [B, T, D], tokens with padding as 0, valid mask [B, T]).
+  """
+  batch, width = tokens.shape
+  valid = tokens >= 0
+  safe = jnp.where(valid, tokens, 0)
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  hidden, _ = Transformer(config).apply({'params': params}, safe, positions, causal_mask(valid))
+  return hidden, safe, valid

@@ -1,0 +1,15 @@
+"""W1 end-to-end benchmark: 20 GRPO steps on the synthetic math task, per engine.
+
+  python -m experiments.bench_e2e --config=configs/bench_w1.py
+"""
+from configs.tiny_math import get_config as base_config
+
+
+def get_config():
+  c = base_config()
+  c.steps = 20
+  c.checkpoint_every = 20
+  c.engines = ('vanilla', 'specroll')
+  c.out_dir = 'results/bench_e2e_w1'
+  c.workdir = 'workdir/bench_e2e_w1'
+  return c

@@ -1,0 +1,43 @@
+"""The paper's settings for real models: --config=configs/paper.py:MODEL,DATASET
+
+  python -m experiments.train_grpo --config=configs/paper.py:qwen2.5-7b,gsm8k \
+      --config.policy.checkpoint=/path/to/Qwen2.5-7B-Instruct --workdir=runs/qwen7b_gsm8k
+
+MODEL in MODELS (the checkpoint is the user's own HF directory: nothing is downloaded),
+DATASET in DATASETS (read from ../shared/data or --config.task.data_dir). Settings follow
+common GRPO practice for these sizes (group 8, lr 1e-6, k3 KL 1e-3, bf16); DAPO uses the
+clip-higher range it was published with.
+"""
+from configs.tiny_math import get_config as base_config
+
+MODELS = {
+    'qwen2.5-1.5b': dict(prompts_per_step=128, micro_batch_size=16, max_batch=256),
+    'qwen2.5-7b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
+    'llama3.1-8b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
+}
+DATASETS = {
+    'gsm8k': dict(source='gsm8k', max_new_tokens=1024, clip_high=0.2),
+    'math': dict(source='math', max_new_tokens=2048, clip_high=0.2),
+    'dapo': dict(source='dapo', max_new_tokens=4096, clip_high=0.28),
+}
+
+
+def get_config(arg: str = 'qwen2.5-1.5b,gsm8k'):
+  model, dataset = arg.split(',')
+  if model not in MODELS or dataset not in DATASETS:
+    raise ValueError(f'configs/paper.py:{arg}: choose MODEL from {sorted(MODELS)} and '
+                     f'DATASET from {sorted(DATASETS)}')
+  m, d = MODELS[model], DATASETS[dataset]
+  c = base_config()
+  c.steps = 300
+  c.checkpoint_every = 10
+  c.policy.checkpoint = f'/path/to/{model}'  # required: the user's HF directory
+  c.policy.dtype = 'bfloat16'
+  c.task.source, c.task.split = d['source'], ''
+  c.rollout.update(prompts_per_step=m['prompts_per_step'], group_size=8,
+                   max_new_tokens=d['max_new_tokens'], max_batch=m['max_batch'],
+                   temperature=1.0)
+  c.heads.update(num_sequences=2048, held_out=128, steps=2000)
+  c.grpo.update(learning_rate=1e-6, kl_coef=1e-3, clip_epsilon_high=d['clip_high'],
+                micro_batch_size=m['micro_batch_size'], loss_aggregation='token-mean')
+  return c

@@ -1,0 +1,20 @@
+"""Prompt sources for GRPO: the embedded synthetic task or a dataset from ../shared/data."""
+import dataclasses
+
+from specroll_jax import data, synthetic_math
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  prompt: str   # text given to the policy
+  answer: str   # gold answer for rewards.score
+  kind: str     # rewards.score kind: gsm8k, math or dapo
+
+
+def load_tasks(source: str, *, count: int, seed: int, data_dir=None, split=None) -> list[Task]:
+  """'synthetic:<split>' (synthetic_math) or a data.load_dataset name (e.g. 'gsm8k')."""
+  if source.startswith('synthetic:'):
+    problems = synthetic_math.make_problems(source.split(':', 1)[1], count, seed)
+    return [Task(synthetic_math.prompt(p.question), p.answer, 'gsm8k') for p in problems]
+  loaded = data.load_dataset(source, data_dir=data_dir, split=split)
+  return [Task(e.prompt, e.answer, e.kind) for e in loaded.examples]
