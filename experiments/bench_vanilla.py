@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import torch
 import transformers
 from absl import app, flags

@@ -13,6 +13,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
@@ -87,10 +88,13 @@ class SpecEngine:
     return self.tree_config.node_bucket(self.tree_config.capacity(batch), batch)
 
   def _prior(self):
+    """[depth, K] prior acceptance rates; ranks the warm start did not measure get 0."""
     depth, k = self.tree_config.depth, self.tree_config.top_k
-    if self.prior_accept is None:
-      return jnp.zeros((depth, k), jnp.float32)
-    return jnp.asarray(self.prior_accept, jnp.float32)[:depth, :k]
+    prior = np.zeros((depth, k), np.float32)
+    if self.prior_accept is not None:
+      measured = np.asarray(self.prior_accept, np.float32)[:depth, :k]
+      prior[:measured.shape[0], :measured.shape[1]] = measured
+    return jnp.asarray(prior)
 
   @partial(jax.jit, static_argnums=(0, 4))
   def start(self, params: SpecParams, prompt_tokens, seqs: Sequences, cache_length: int):

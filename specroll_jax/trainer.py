@@ -6,7 +6,6 @@ resume bit for bit (policy, optimizer state, heads, step, data position) is an O
 checkpoint under workdir/checkpoints; the per-step rollout seed is derived from (seed,
 step), so a resumed run draws exactly what the uninterrupted one would have.
 """
-import dataclasses
 import hashlib
 import json
 import sys

@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from configs.tiny_math import get_config
 from specroll_jax.trainer import train
@@ -45,7 +46,7 @@ def _final_params(workdir):
 
 def test_specroll_and_vanilla_training_agree(tmp_path):
   spec = train(_config(rollout__engine='specroll'), tmp_path / 'spec')
-  vanilla = train(_config(rollout__engine='vanilla'), tmp_path / 'vanilla')
+  train(_config(rollout__engine='vanilla'), tmp_path / 'vanilla')
   a, b = _metrics(tmp_path / 'spec'), _metrics(tmp_path / 'vanilla')
   assert [m['rollout_digest'] for m in a] == [m['rollout_digest'] for m in b]
   assert [m['reward'] for m in a] == [m['reward'] for m in b]
@@ -79,3 +80,13 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
       m['rollout_digest'] for m in _metrics(straight)]
   for x, y in zip(_final_params(killed), _final_params(straight)):
     np.testing.assert_array_equal(x, y)
+
+
+def test_config_pointing_at_a_missing_checkpoint_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match='policy.checkpoint: .*nowhere does not exist'):
+    train(_config(policy__checkpoint=str(tmp_path / 'nowhere')), tmp_path / 'run')
+
+
+def test_prompt_longer_than_the_model_allows_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+    train(_config(rollout__engine='vanilla', rollout__max_new_tokens=480), tmp_path / 'run')
