@@ -32,6 +32,8 @@ flags.DEFINE_integer('batch_rows', _DEFAULTS.batch_rows, 'Packed rows per step.'
 flags.DEFINE_float('learning_rate', _DEFAULTS.learning_rate, 'Peak AdamW learning rate.')
 flags.DEFINE_float('hard_fraction', _DEFAULTS.hard_fraction,
                    'Share of hard-split problems in the training pool.')
+flags.DEFINE_float('drill_fraction', _DEFAULTS.drill_fraction,
+                   'Share of training examples shown as the solution alone.')
 flags.DEFINE_integer('eval_problems', _DEFAULTS.eval_problems, 'Held-out problems per split.')
 flags.DEFINE_integer('seed', _DEFAULTS.seed, 'Seed for data, init and batching.')
 flags.mark_flags_as_required(['out'])
@@ -45,7 +47,7 @@ def main(argv):
       hidden_size=FLAGS.hidden_size, num_layers=FLAGS.num_layers,
       intermediate_size=FLAGS.intermediate_size, batch_rows=FLAGS.batch_rows,
       learning_rate=FLAGS.learning_rate, hard_fraction=FLAGS.hard_fraction,
-      eval_problems=FLAGS.eval_problems, seed=FLAGS.seed)
+      drill_fraction=FLAGS.drill_fraction, eval_problems=FLAGS.eval_problems, seed=FLAGS.seed)
   try:
     report = pretrain(config, Path(FLAGS.out), overwrite=FLAGS.overwrite,
                       tokenizer_dir=Path(FLAGS.tokenizer))

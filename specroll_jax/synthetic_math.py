@@ -27,11 +27,14 @@ class Difficulty:
   max_value: int       # no amount along the way exceeds this
 
 
+# Calibrated on the default W1 pretraining (pretrain.PretrainConfig, 8 minutes on 2 CPU
+# cores, greedy): about 84% of easy and 39% of hard problems solved, so GRPO on hard
+# problems starts with reward signal and room to improve.
 SPLITS = {
-    'easy': Difficulty(step_weights=(0.4, 0.45, 0.15), max_start=20, max_addend=20,
+    'easy': Difficulty(step_weights=(0.4, 0.45, 0.15), max_start=20, max_addend=10,
+                       max_factor=3, max_value=40),
+    'hard': Difficulty(step_weights=(0.0, 0.0, 0.5, 0.5), max_start=30, max_addend=20,
                        max_factor=5, max_value=100),
-    'hard': Difficulty(step_weights=(0.0, 0.0, 0.5, 0.5), max_start=50, max_addend=50,
-                       max_factor=9, max_value=500),
 }
 
 # How often the story opens with boxes of objects, which is itself a multiplication step.

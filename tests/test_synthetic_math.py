@@ -15,8 +15,8 @@ _APPLY = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a 
           '/': lambda a, b: a / b}
 
 TINY = PretrainConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                      intermediate_size=64, train_problems=2000, batch_rows=8,
-                      learning_rate=1e-2, warmup_steps=5, max_steps=40, eval_problems=2,
+                      intermediate_size=64, train_problems=2000, batch_rows=4,
+                      learning_rate=1e-2, warmup_steps=5, max_steps=30, eval_problems=2,
                       max_new_tokens=16)
 
 
