@@ -66,12 +66,13 @@ class PretrainConfig:
   row_width: int = 256      # tokens per packed row
   batch_rows: int = 8       # packed rows per step: many small steps beat few large ones here
   # Optimisation.
-  learning_rate: float = 3e-3
+  learning_rate: float = 2e-3
   final_lr_fraction: float = 0.1
   warmup_steps: int = 50
   weight_decay: float = 0.1
-  # Whichever comes first. 2400 steps take about the 8 minutes on a 2-core CPU, so a faster
-  # machine stops at the same step and builds (up to float rounding) the same policy.
+  # Whichever comes first. 2400 steps take about 7 minutes on an idle 2-core CPU, so faster
+  # machines stop at the same step and build (up to float rounding) the same policy; on a
+  # busy CPU the time budget stops training earlier, and accuracy is lower (see SPLITS).
   max_steps: int = 2400
   max_minutes: float = 8.0  # training loop only; data and evaluation add about a minute
   # Evaluation on held-out problems, greedy.
@@ -316,7 +317,8 @@ def pretrain(config: PretrainConfig, out: Path, overwrite: bool = False,
   """Trains, evaluates and saves a policy to `out` (published whole, with its report)."""
   out = Path(out)
   if has_policy(out) and not overwrite:
-    raise FileExistsError(f'{out}: already holds a policy (overwrite=True, --overwrite, replaces it)')
+    raise FileExistsError(f'{out}: already holds a policy (overwrite=True or --overwrite '
+                          f'replaces it)')
   if out.exists() and not has_policy(out) and any(out.iterdir()):
     raise FileExistsError(f'{out}: exists and is not a policy directory; refusing to replace it')
   policy_config = model_config(config)
