@@ -4,7 +4,6 @@ from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[2] / 'shared'
 DEFAULT_CHECKPOINT = SHARED / 'models' / 'stories260K'
-DEFAULT_DATA_DIR = SHARED / 'data'
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -136,13 +136,6 @@ class Transformer(nn.Module):
     return logits.astype(jnp.float32)
 
 
-def vocab_projection(params, config: ModelConfig) -> jax.Array:
-  """The projection matrix W [V, D] that the horizon heads share with the policy."""
-  if config.tie_word_embeddings:
-    return params['embed_tokens']['embedding']
-  return params['lm_head']['kernel'].T
-
-
 def causal_mask(valid: jax.Array) -> jax.Array:
   """[B, T] validity -> [B, T, T] causal mask that also hides padded keys."""
   t_len = valid.shape[1]
