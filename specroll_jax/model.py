@@ -135,6 +135,14 @@ class Transformer(nn.Module):
       logits = self.lm_head(hidden)
     return logits.astype(jnp.float32)
 
+  def vocab_rows(self, ids):
+    """float32 rows W[ids] [..., D] of the vocabulary projection (logit of v = W[v] . h)."""
+    if self.config.tie_word_embeddings:
+      rows = self.embed_tokens.embedding[ids]
+    else:
+      rows = self.lm_head.variables['params']['kernel'].T[ids]
+    return rows.astype(jnp.float32)
+
 
 def causal_mask(valid: jax.Array) -> jax.Array:
   """[B, T] validity -> [B, T, T] causal mask that also hides padded keys."""

@@ -63,6 +63,14 @@ def transform_logits(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
   return x
 
 
+def distribution(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
+  """The sampler's distribution S(logits) (raw softmax when greedy): what proposals and
+  verifier feedback compare."""
+  if sampler.greedy:
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  return jax.nn.softmax(transform_logits(logits, sampler), axis=-1)
+
+
 def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig) -> jax.Array:
   """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...]."""
   if sampler.greedy:

@@ -17,12 +17,13 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from specroll_jax import sampling
+from specroll_jax import reflex, sampling
 from specroll_jax.attention import attention_implementation
 from specroll_jax.config import ModelConfig
 from specroll_jax.heads import HeadsConfig, apply_heads
 from specroll_jax.kv_cache import KVCache, commit
 from specroll_jax.mesh import constrain_rows
+from specroll_jax.reflex import ReflexConfig, ReflexState
 from specroll_jax.model import Transformer
 from specroll_jax.rollout import prefill
 from specroll_jax.sequences import Sequences
@@ -47,6 +48,7 @@ class AcceptanceStats:
   hits: jax.Array      # float32 [B, H, K] draws equal to head d's rank-r token
   accepted: jax.Array  # float32 [B, H] accepted nodes at each depth
   nodes: jax.Array     # float32 [B] tree nodes verified (budget summed over steps)
+  candidate_mass: jax.Array  # float32 [B, H] policy mass on head d's candidates, where reached
 
 
 @struct.dataclass
@@ -56,6 +58,17 @@ class SpecState:
   last_hidden: jax.Array   # [B, D] policy hidden state at each row's last verified position
   seqs: Sequences
   stats: AcceptanceStats
+  reflex: ReflexState | None  # None when the engine runs without Reflex
+
+
+@struct.dataclass
+class Proposal:
+  tokens: jax.Array       # int32 [B, H, K] tree candidates per head, best first
+  probs: jax.Array        # float32 [B, H, K] their probabilities under the sampler
+  sketch_ids: jax.Array   # int32 [B, H, M] the head's own top-M (Reflex's pending sketch)
+  sketch_logq: jax.Array  # float32 [B, H, M] their log-probs
+  gate: jax.Array         # float32 [B, H] Reflex gate (0 without Reflex)
+  correction: jax.Array   # float32 [B, H] ||Reflex correction|| / ||h_t||
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +81,17 @@ class SpecEngine:
   mesh: Mesh | None = None
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
   tree_attention: str = 'xla'        # attention for the tree forward (attention.py)
+  reflex: ReflexConfig | None = None  # the fast path (reflex.py); None = static heads
+  sketch_size: int = 32              # M: top tokens kept of each proposal / verifier draw
 
   def __post_init__(self):
     if self.tree_config.depth > self.heads_config.num_heads:
       raise ValueError(f'tree depth {self.tree_config.depth} (len(branching)) exceeds the '
                        f'{self.heads_config.num_heads} trained heads')
+
+  @property
+  def sketch(self) -> int:
+    return min(self.sketch_size, self.model_config.vocab_size)
 
   @property
   def model(self) -> Transformer:
@@ -102,8 +121,15 @@ class SpecEngine:
                                     seqs.prompt_lengths, cache_length)
     batch, depth, k = prompt_tokens.shape[0], self.tree_config.depth, self.tree_config.top_k
     stats = AcceptanceStats(reached=jnp.zeros((batch, depth)), hits=jnp.zeros((batch, depth, k)),
-                            accepted=jnp.zeros((batch, depth)), nodes=jnp.zeros((batch,)))
-    state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs, stats=stats)
+                            accepted=jnp.zeros((batch, depth)), nodes=jnp.zeros((batch,)),
+                            candidate_mass=jnp.zeros((batch, depth)))
+    reflex_state = None
+    if self.reflex is not None:
+      # A row carries one response for its whole life, so Reflex starts fresh per response.
+      reflex_state = ReflexState.init(batch, depth, self.model_config.hidden_size, self.sketch,
+                                      seqs.tokens.shape[1])
+    state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
+                      stats=stats, reflex=reflex_state)
     return constrain_rows(self.mesh, state)
 
   @partial(jax.jit, static_argnums=0)
@@ -114,26 +140,33 @@ class SpecEngine:
 
     return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
 
-  def propose(self, params: SpecParams, last_hidden, seqs: Sequences, depth: int):
-    """Top-K tokens and probabilities of the first `depth` heads (under the sampling
-    transform), zero-padded to the tree depth: a tree of N slots never reaches below N - 1."""
-    tc = self.tree_config
-    z = apply_heads(self.heads_config, self.model_config, params.heads, last_hidden)
+  def propose(self, params: SpecParams, state: SpecState, depth: int) -> Proposal:
+    """The first `depth` heads' proposals (Reflex-corrected), zero-padded to the tree depth:
+    a tree of N slots never reaches below N - 1, so deeper heads are not evaluated."""
+    tc, batch = self.tree_config, state.seqs.done.shape[0]
+    z = apply_heads(self.heads_config, self.model_config, params.heads, state.last_hidden)
     z = z[:, :depth]
+    gate = correction = jnp.zeros((batch, tc.depth), jnp.float32)
+    if self.reflex is not None:
+      delta, gate, correction = reflex.correction(self.reflex, state.reflex, state.last_hidden)
+      z = (z.astype(jnp.float32) + delta[:, :depth]).astype(z.dtype)
     logits = self.model.apply({'params': params.policy}, z, method=Transformer.project)
-    if not self.sampler.greedy:
-      logits = sampling.transform_logits(logits, self.sampler)
-    probs, tokens = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), tc.top_k)
-    tokens = tokens.astype(jnp.int32)
+    ranked_probs, ranked = jax.lax.top_k(sampling.distribution(logits, self.sampler),
+                                         max(tc.top_k, self.sketch))
+    ranked = ranked.astype(jnp.int32)
+    tokens, probs = ranked[..., :tc.top_k], ranked_probs[..., :tc.top_k]
     if params.oracle_tokens is not None:
       # Head d's node sits d tokens after the root, whose index is num_generated.
+      seqs = state.seqs
       future = seqs.num_generated[:, None] + jnp.arange(1, depth + 1)
       true = params.oracle_tokens.at[seqs.response_ids[:, None], future].get(
           mode='fill', fill_value=0)
       tokens = tokens.at[:, :, 0].set(true)
       probs = probs.at[:, :, 0].set(1.0)
-    pad = ((0, 0), (0, tc.depth - depth), (0, 0))
-    return jnp.pad(tokens, pad), jnp.pad(probs, pad)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, tc.depth - depth), (0, 0)))
+    return Proposal(tokens=pad(tokens), probs=pad(probs), sketch_ids=pad(ranked[..., :self.sketch]),
+                    sketch_logq=pad(jnp.log(ranked_probs[..., :self.sketch])), gate=gate,
+                    correction=correction)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
     seqs, stats, tc = state.seqs, state.stats, self.tree_config
@@ -145,12 +178,13 @@ class SpecEngine:
     root_logprob = sampling.token_logprob(state.next_logits, root, self.sampler)
 
     depth = min(tc.depth, width - 1)
-    head_tokens, head_probs = self.propose(params, state.last_hidden, seqs, depth)
+    proposal = self.propose(params, state, depth)
+    head_tokens = proposal.tokens
     prior = self._prior()
     rate = ((stats.hits + tc.prior_strength * prior)
             / (stats.reached[..., None] + tc.prior_strength))
     budget = tc.budget(tc.capacity(batch), jnp.sum(~seqs.done), width)
-    tree = build_tree(root, head_tokens, edge_scores(head_probs, rate, tc),
+    tree = build_tree(root, head_tokens, edge_scores(proposal.probs, rate, tc),
                       jnp.full((batch,), budget, jnp.int32), width, tc)
 
     verifier = Transformer(self.model_config, attention_implementation(self.tree_attention))
@@ -160,7 +194,7 @@ class SpecEngine:
     project = lambda h: self.model.apply({'params': params.policy}, h,
                                          method=Transformer.project)
     result = walk(tree, hidden, project, seed_key, seqs.response_ids, positions, self.sampler,
-                  tc.depth, self.model_config.vocab_size)
+                  tc.depth, self.model_config.vocab_size, self.sketch)
 
     running = ~seqs.done
     logprobs = jnp.concatenate([root_logprob[:, None], result.logprobs], axis=1)
@@ -170,20 +204,42 @@ class SpecEngine:
                                axis=1)[:, 0]
 
     live = running[:, None].astype(jnp.float32)
-    reached = result.reached & running[:, None]
+    drew = result.reached & running[:, None]
+    # Head statistics count only the depths whose head proposed this step.
+    proposed = running[:, None] & (jnp.arange(tc.depth) < depth)[None, :]
+    reached = drew & proposed
     hits = reached[..., None] & (head_tokens == result.drawn[..., None])
     depth_index = jnp.arange(1, tc.depth + 1)[None, :]
+    in_candidates = jnp.arange(tc.top_k)[None, :] < jnp.asarray(tc.branching)[:, None]
+    on_candidates = jnp.any((result.target_ids[..., None] == head_tokens[:, :, None, :])
+                            & in_candidates[None, :, None, :], axis=-1)
+    mass = jnp.sum(jnp.where(on_candidates, result.target_probs, 0.0), axis=-1)
     stats = AcceptanceStats(
         reached=stats.reached + reached,
         hits=stats.hits + hits,
         accepted=stats.accepted + live * (depth_index <= result.accepted[:, None]),
-        nodes=stats.nodes + live[:, 0] * budget)
+        nodes=stats.nodes + live[:, 0] * budget,
+        candidate_mass=stats.candidate_mass + jnp.where(reached, mass, 0.0))
+    reflex_state = state.reflex
+    if self.reflex is not None:
+      vocab_rows = lambda ids: self.model.apply({'params': params.policy}, ids,
+                                                method=Transformer.vocab_rows)
+      reflex_state = reflex.record_trace(reflex_state, state.seqs.steps, running,
+                                         proposal.gate, proposal.correction)
+      reflex_state = reflex.record_proposals(reflex_state, proposal.sketch_ids,
+                                             proposal.sketch_logq, positions, proposed)
+      reflex_state = reflex.mature(self.reflex, reflex_state, result.target_ids,
+                                   result.target_probs, drew, positions, tc.branching,
+                                   vocab_rows)
     new_state = SpecState(cache=cache, next_logits=result.last_logits, last_hidden=last,
-                          seqs=seqs, stats=stats)
+                          seqs=seqs, stats=stats, reflex=reflex_state)
     return constrain_rows(self.mesh, new_state)
 
   @staticmethod
   def row_stats(state: SpecState) -> dict:
     s = state.stats
-    return {'accepted_by_depth': s.accepted, 'reached_by_depth': s.reached,
-            'hits_by_rank': s.hits, 'tree_nodes': s.nodes}
+    stats = {'accepted_by_depth': s.accepted, 'reached_by_depth': s.reached,
+             'hits_by_rank': s.hits, 'tree_nodes': s.nodes, 'candidate_mass': s.candidate_mass}
+    if state.reflex is not None:
+      stats.update(reflex.row_stats(state.reflex))
+    return stats

@@ -28,10 +28,13 @@ class WalkResult:
   last_logits: jax.Array   # float32 [B, V] policy logits at the path's last node
   drawn: jax.Array         # int32 [B, H] verifier draw at each depth (valid where reached)
   reached: jax.Array       # bool [B, H] the walk drew at this depth
+  target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
+  target_probs: jax.Array  # float32 [B, H, M] their probabilities (the sampler's transform)
 
 
 def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
-         sampler: sampling.SamplerConfig, max_depth: int, vocab_size: int) -> WalkResult:
+         sampler: sampling.SamplerConfig, max_depth: int, vocab_size: int,
+         sketch_size: int) -> WalkResult:
   """Verifies `tree` given the policy's hidden states at its nodes.
 
   Args:
@@ -39,12 +42,14 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
     project: hidden [B, D] -> float32 logits [B, V] (the policy's vocabulary projection).
     root_positions: int32 [B] absolute position of each root token.
     max_depth: deepest tree level (H); the walk projects at most H + 1 nodes per row.
+    sketch_size: M, how many of the policy's top tokens to keep at each drawn depth (the
+      delayed feedback Reflex and the slow-path monitor learn from).
   """
   batch = tree.tokens.shape[0]
   rows = jnp.arange(batch)
 
   def descend(carry):
-    depth, current, walking, path, logprobs, drawn, reached, last_logits = carry
+    depth, current, walking, path, logprobs, drawn, reached, last_logits, sketch = carry
     logits = project(hidden[rows, current])
     keys = sampling.token_keys(seed_key, response_ids, root_positions + depth)
     y = sampling.draw(logits, keys, sampler)
@@ -61,15 +66,21 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
         sampling.token_logprob(logits, y, sampler)), logprobs)
     drawn = jnp.where(record, drawn.at[:, slot].set(y), drawn)
     reached = jnp.where(record, reached.at[:, slot].set(walking), reached)
-    return depth + 1, current, found, path, logprobs, drawn, reached, last_logits
+    top_probs, top_ids = jax.lax.top_k(sampling.distribution(logits, sampler), sketch_size)
+    sketch = jax.tree.map(lambda buf, x: jnp.where(record, buf.at[:, slot].set(x), buf),
+                          sketch, (top_ids.astype(jnp.int32), top_probs))
+    return depth + 1, current, found, path, logprobs, drawn, reached, last_logits, sketch
 
   init = (jnp.int32(1), jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool),
           jnp.zeros((batch, max_depth + 1), jnp.int32),
           jnp.zeros((batch, max_depth), jnp.float32), jnp.zeros((batch, max_depth), jnp.int32),
-          jnp.zeros((batch, max_depth), bool), jnp.zeros((batch, vocab_size), jnp.float32))
-  _, _, _, path, logprobs, drawn, reached, last_logits = jax.lax.while_loop(
+          jnp.zeros((batch, max_depth), bool), jnp.zeros((batch, vocab_size), jnp.float32),
+          (jnp.zeros((batch, max_depth, sketch_size), jnp.int32),
+           jnp.zeros((batch, max_depth, sketch_size), jnp.float32)))
+  _, _, _, path, logprobs, drawn, reached, last_logits, sketch = jax.lax.while_loop(
       lambda c: (c[0] <= max_depth + 1) & c[2].any(), descend, init)
   accepted = jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
   return WalkResult(
       path=path, accepted=accepted, tokens=jnp.take_along_axis(tree.tokens, path, axis=1),
-      logprobs=logprobs, last_logits=last_logits, drawn=drawn, reached=reached)
+      logprobs=logprobs, last_logits=last_logits, drawn=drawn, reached=reached,
+      target_ids=sketch[0], target_probs=sketch[1])

@@ -1,0 +1,129 @@
+"""Reflex: feedback direction, gate behaviour, bounded correction, per-response state."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specroll_jax import reflex
+from specroll_jax.reflex import ReflexConfig, ReflexState
+
+VOCAB, DIM, HEADS, SKETCH = 128, 64, 2, 16  # DIM as in stories260K
+
+
+def _kl(p, logits):
+  return float(jnp.sum(p * (jnp.log(p) - jax.nn.log_softmax(logits))))
+
+
+def test_feedback_moves_the_head_toward_the_policy():
+  """A small step along r lowers KL(p || q) whether or not C covers the vocabulary."""
+  for seed in range(20):
+    kw, kz, kp = jax.random.split(jax.random.key(seed), 3)
+    w = jax.random.normal(kw, (VOCAB, DIM))
+    z = jax.random.normal(kz, (DIM,))
+    p = jax.nn.softmax(w @ (z + 0.8 * jax.random.normal(kp, (DIM,))))
+    q = jax.nn.softmax(w @ z)
+    for candidates in (VOCAB, 4):
+      ids_q = jnp.argsort(-q)[:SKETCH] if candidates < VOCAB else jnp.argsort(-q)
+      ids_p = jnp.argsort(-p)[:SKETCH]
+      r, _, coverage = reflex.feedback(ids_q, jnp.log(q[ids_q]),
+                                       jnp.arange(ids_q.shape[0]) < candidates, ids_p, p[ids_p],
+                                       w[ids_q], w[ids_p], ReflexConfig())
+      step = 1e-3 * r / jnp.linalg.norm(r)
+      assert _kl(p, w @ (z + step)) < _kl(p, w @ z), (seed, candidates)
+      if candidates == VOCAB:
+        assert float(coverage) == 0.0
+
+
+def _run(config, targets_for_step, steps, heads=HEADS):
+  """Feeds `steps` engine steps that each advance one token and reach depth 1.
+
+  targets_for_step(i) -> (proposal logits [heads, V], policy logits [V]) at step i.
+  Returns the state and the gate after every step.
+  """
+  w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
+  state = ReflexState.init(1, heads, DIM, SKETCH, steps)
+  gates = []
+  for i in range(steps):
+    proposal_logits, policy_logits = targets_for_step(i)
+    logq, ids = jax.lax.top_k(jax.nn.log_softmax(proposal_logits), SKETCH)
+    root = jnp.array([10 + i])
+    state = reflex.record_proposals(state, ids[None].astype(jnp.int32), logq[None], root,
+                                    jnp.ones((1, heads), bool))
+    probs, ids_p = jax.lax.top_k(jax.nn.softmax(policy_logits), SKETCH)
+    target_ids = jnp.broadcast_to(ids_p.astype(jnp.int32), (1, heads, SKETCH))
+    target_probs = jnp.broadcast_to(probs, (1, heads, SKETCH))
+    reached = jnp.arange(heads)[None] < 1
+    state = reflex.mature(config, state, target_ids, target_probs, reached, root, (4,) * heads,
+                          lambda x: w[x])
+    gates.append(np.asarray(reflex.gate(config, state.reliability))[0])
+  return state, np.array(gates), w
+
+
+def test_gate_stays_shut_on_noise_and_opens_on_a_persistent_shift():
+  config = ReflexConfig()
+  keys = jax.random.split(jax.random.key(1), 400)
+  noise = lambda i: (jax.random.normal(keys[2 * i], (HEADS, VOCAB)) * 2,
+                     jax.random.normal(keys[2 * i + 1], (VOCAB,)) * 2)
+  _, gates, _ = _run(config, noise, 120)
+  assert gates.max() == 0.0, gates.max()
+
+  base = jax.random.normal(jax.random.key(2), (VOCAB,))
+  shift = jax.random.normal(jax.random.key(3), (VOCAB,)) * 3
+  jitter = jax.random.split(jax.random.key(4), 200)
+  persistent = lambda i: (jnp.stack([base] * HEADS),
+                          base + shift + 0.3 * jax.random.normal(jitter[i], (VOCAB,)))
+  state, gates, _ = _run(config, persistent, 60)
+  assert gates[-1, 0] > 0.5, gates[-1]
+  assert float(state.matured[0, 0]) == 60.0
+  # Head 2's proposals (for root + 2) mature one step later, when depth 1 reaches them.
+  assert float(state.matured[0, 1]) == 59.0
+
+
+def test_correction_respects_its_bound_and_corrects_toward_the_shift():
+  config = ReflexConfig(step_size=5.0, max_correction=0.25, gate_threshold=0.0)
+  base = jax.random.normal(jax.random.key(5), (VOCAB,))
+  shift = jax.random.normal(jax.random.key(6), (VOCAB,)) * 3
+  state, _, _ = _run(config, lambda i: (jnp.stack([base] * HEADS), base + shift), 40)
+  hidden = jax.random.normal(jax.random.key(7), (1, DIM)) * 7.0
+  delta, g, relative = reflex.correction(config, state, hidden)
+  bound = config.max_correction * float(jnp.linalg.norm(hidden))
+  assert float(jnp.max(jnp.linalg.norm(delta, axis=-1))) <= bound * (1 + 1e-5)
+  assert float(g[0, 0]) > 0.9 and float(relative[0, 0]) > 0.2
+
+
+def test_non_finite_values_reset_instead_of_spreading():
+  config = ReflexConfig(gate_threshold=-1.0)
+  state = ReflexState.init(2, HEADS, DIM, SKETCH, 4)
+  state = state.replace(memory=state.memory.at[0].set(jnp.nan), matured=state.matured + 1)
+  delta, _, relative = reflex.correction(config, state, jnp.ones((2, DIM)))
+  assert bool(jnp.all(jnp.isfinite(delta))) and float(jnp.abs(delta[0]).max()) == 0.0
+  assert float(relative[0].max()) == 0.0
+  w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
+  root = jnp.array([3, 3])
+  ids = jnp.tile(jnp.arange(SKETCH, dtype=jnp.int32), (2, HEADS, 1))
+  logq = jnp.full((2, HEADS, SKETCH), -np.log(SKETCH))
+  state = reflex.record_proposals(state, ids, logq, root, jnp.ones((2, HEADS), bool))
+  state = reflex.mature(config, state, ids, jnp.exp(logq) * 0 + jnp.eye(SKETCH)[0], jnp.ones((2, HEADS), bool),
+                        root, (4,) * HEADS, lambda x: w[x])
+  assert bool(jnp.all(jnp.isfinite(state.memory))) and bool(jnp.all(jnp.isfinite(state.reliability)))
+  assert float(jnp.abs(state.memory[0, 0]).max()) == 0.0  # the NaN row was reset
+  assert float(jnp.abs(state.memory[1, 0]).max()) > 0.0   # the healthy row learned
+
+
+def test_state_is_per_row_and_fresh_for_each_response():
+  config = ReflexConfig(gate_threshold=-1.0)
+  state = ReflexState.init(3, HEADS, DIM, SKETCH, 8)
+  assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state)
+             if x.dtype == jnp.float32)
+  assert bool(jnp.all(state.pending_position == -1))
+  w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
+  ids = jnp.tile(jnp.arange(SKETCH, dtype=jnp.int32), (3, HEADS, 1))
+  logq = jnp.full((3, HEADS, SKETCH), -np.log(SKETCH))
+  root = jnp.array([5, 5, 5])
+  only_row_1 = jnp.array([[False] * HEADS, [True] * HEADS, [False] * HEADS])
+  state = reflex.record_proposals(state, ids, logq, root, only_row_1)
+  state = reflex.mature(config, state, ids, jnp.broadcast_to(jnp.eye(SKETCH)[1], logq.shape),
+                        jnp.ones((3, HEADS), bool), root, (4,) * HEADS, lambda x: w[x])
+  assert float(state.matured[1, 0]) == 1.0
+  for row in (0, 2):
+    assert float(jnp.abs(state.memory[row]).max()) == 0.0
+    assert float(state.matured[row].max()) == 0.0
