@@ -26,6 +26,16 @@ def get_config():
       capacity_tokens=0, max_nodes=64, branching=(8, 4, 2, 2), tree_attention='xla'))
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, num_sequences=512, held_out=64, steps=600))
+  # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
+  c.adaptation = ml_collections.ConfigDict(dict(
+      mode='both', harvest_top_k=32,
+      reflex=dict(half_life=48.0, reliability_decay=0.9, gate_threshold=0.2, step_size=0.3,
+                  max_correction=0.3, dist_weight=1.0, coverage_weight=1.0),
+      slow_path=dict(drop=0.05, regret_z=2.5, patience=2, cooldown=3, calibration_windows=2,
+                     history=8, min_regret_scale=0.01, steps=40, batch_size=32,
+                     learning_rate=1e-3, ce_weight=1.0, prox_weight=1e-2,
+                     held_out_fraction=0.25)))
+  c.metrics = ml_collections.ConfigDict(dict(drift_kl=False))
   c.grpo = ml_collections.ConfigDict(dict(
       clip_epsilon_low=0.2, clip_epsilon_high=0.2, kl_coef=0.0,
       loss_aggregation='token-mean', learning_rate=1e-4, weight_decay=0.0,

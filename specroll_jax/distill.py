@@ -45,14 +45,19 @@ class DistillConfig:
   steps: int = 600
 
 
+def top_targets(logits, top_k: int):
+  """The policy's top-K next-token ids and their log-probs renormalised over the K."""
+  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+  return ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
+
+
 @partial(jax.jit, static_argnums=(0, 3))
 def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
   """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
   hidden, _, _ = padded_sequence_hidden(model_config, params, tokens)
   logits = Transformer(model_config).apply({'params': params}, hidden,
                                            method=Transformer.project)
-  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
-  return hidden, ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
+  return (hidden, *top_targets(logits, top_k))
 
 
 def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,

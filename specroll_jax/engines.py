@@ -65,4 +65,19 @@ def summarize(responses) -> dict:
         acceptance_by_depth=(accepted / np.maximum(reached, 1)).round(4).tolist(),
         accepted_by_depth=accepted.astype(int).tolist(),
         mean_tree_nodes=nodes / max(steps, 1))
+  if responses and 'reflex_matured' in responses[0].stats:
+    summary.update(_reflex_summary(responses))
   return summary
+
+
+def _reflex_summary(responses) -> dict:
+  """Per head: mean delayed alignment and error masses per matured feedback; mean gate,
+  reliability and relative correction over the engine steps of every response."""
+  total = lambda name: np.sum([r.stats[name] for r in responses], axis=0)
+  matured = np.maximum(total('reflex_matured'), 1)
+  steps = lambda name: np.concatenate([r.stats[name][:r.steps] for r in responses])
+  out = {f'reflex_{name}': (total(f'reflex_{name}') / matured).round(4).tolist()
+         for name in ('alignment', 'dist_error', 'coverage_error')}
+  out.update({f'reflex_{name}': steps(f'reflex_{name}').mean(axis=0).round(4).tolist()
+              for name in ('gate', 'reliability', 'correction')})
+  return out

@@ -22,6 +22,7 @@ import optax
 from flax import struct
 
 from specroll_jax.config import ModelConfig
+from specroll_jax.distill import DistillBatch, top_targets
 from specroll_jax.model import Transformer, padded_sequence_hidden
 from specroll_jax.rollout import Response
 
@@ -48,6 +49,7 @@ class GRPOConfig:
   max_grad_norm: float = 1.0
   micro_batch_size: int = 8
   advantage_eps: float = 1e-6
+  harvest_top_k: int = 0  # > 0: also return head-training pairs from the update's forward
 
   def __post_init__(self):
     if self.group_size < 1:
@@ -73,6 +75,8 @@ class GRPOConfig:
       raise ValueError(f'micro_batch_size must be >= 1, got {self.micro_batch_size}')
     if self.advantage_eps <= 0:
       raise ValueError(f'advantage_eps must be > 0, got {self.advantage_eps}')
+    if self.harvest_top_k < 0:
+      raise ValueError(f'harvest_top_k must be >= 0, got {self.harvest_top_k}')
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> jax.Array:
@@ -132,8 +136,11 @@ def batch_from_responses(prompts: list[list[int]], responses: list[Response], ad
                       old_logprobs=jnp.asarray(old), advantages=jnp.asarray(advantages))
 
 
-def _scored_forward(config: ModelConfig, params, tokens, temperature: float):
-  """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each.
+def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
+                    harvest_top_k: int = 0):
+  """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
+  and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
+  (hidden states and the policy's top-K next-token distribution; else None).
 
   Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
   softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
@@ -147,7 +154,14 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float):
   logp = jnp.take_along_axis(logp_all, safe[:, 1:, None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)
-  return shift(logp), shift(entropy)
+  pairs = None
+  if harvest_top_k:
+    ids, target_logp = jax.lax.stop_gradient(top_targets(logits, harvest_top_k))
+    # Heads never read a target at the last position (its horizon is past the row).
+    last = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
+    pairs = DistillBatch(hidden=jax.lax.stop_gradient(hidden), target_ids=last(ids),
+                         target_logp=last(target_logp), tokens=safe, valid=valid)
+  return shift(logp), shift(entropy), pairs
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -214,12 +228,19 @@ def grpo_loss(model_config: ModelConfig, config: GRPOConfig, params, batch: Roll
   weights: `loss_weights` of the whole batch when `batch` is one micro-batch of it;
   None computes them from `batch` itself.
   """
+  loss, (metrics, _) = _loss_and_pairs(model_config, config, params, batch, weights)
+  return loss, metrics
+
+
+def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch: RolloutBatch,
+                    weights=None):
   if weights is None:
     weights = loss_weights(config.loss_aggregation, batch.response_mask)
-  logprobs, entropy = _scored_forward(model_config, params, batch.tokens, config.temperature)
+  logprobs, entropy, pairs = _scored_forward(model_config, params, batch.tokens,
+                                             config.temperature, config.harvest_top_k)
   loss, metrics = surrogate_loss(config, logprobs, batch, weights)
   metrics['entropy'] = jnp.sum(weights * jax.lax.stop_gradient(entropy))
-  return loss, metrics
+  return loss, (metrics, pairs)
 
 
 def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
@@ -228,7 +249,8 @@ def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
 
   Only one micro-batch's activations are live at a time, and every micro-batch has the
   same shapes, so one compilation serves any number of them. Gradients are summed in
-  float32 and returned in the parameters' dtype.
+  float32 and returned in the parameters' dtype. Returns (grads, metrics, pairs): pairs is
+  the slow path's DistillBatch over all rows when config.harvest_top_k > 0, else None.
   """
   rows = batch.tokens.shape[0]
   size = config.micro_batch_size
@@ -238,16 +260,17 @@ def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
   weights = loss_weights(config.loss_aggregation, batch.response_mask)
   chunks = jax.tree.map(lambda x: x.reshape(rows // size, size, *x.shape[1:]),
                         (batch, weights))
-  grad_fn = jax.grad(partial(grpo_loss, model_config, config), has_aux=True)
+  grad_fn = jax.grad(partial(_loss_and_pairs, model_config, config), has_aux=True)
 
   def micro_step(total, chunk):
-    grads, metrics = grad_fn(params, *chunk)
-    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads), metrics
+    grads, aux = grad_fn(params, *chunk)
+    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads), aux
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  grads, metrics = jax.lax.scan(micro_step, zeros, chunks)
+  grads, (metrics, pairs) = jax.lax.scan(micro_step, zeros, chunks)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+  pairs = jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), pairs)
+  return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics), pairs
 
 
 def make_optimizer(config: GRPOConfig) -> optax.GradientTransformation:
@@ -261,9 +284,10 @@ def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
   """One AdamW update of the policy params on the whole batch.
 
   opt_state comes from `make_optimizer(config).init(params)`. Returns (params, opt_state,
-  metrics); metrics['grad_norm'] is the global norm before clipping.
+  metrics, pairs); metrics['grad_norm'] is the global norm before clipping; pairs are the
+  head-training pairs of `accumulated_gradients` (None unless config.harvest_top_k > 0).
   """
-  grads, metrics = accumulated_gradients(model_config, config, params, batch)
+  grads, metrics, pairs = accumulated_gradients(model_config, config, params, batch)
   metrics['grad_norm'] = optax.tree.norm(grads)
   updates, opt_state = make_optimizer(config).update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, metrics
+  return optax.apply_updates(params, updates), opt_state, metrics, pairs

@@ -17,45 +17,98 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from specroll_jax import distill, grpo, rewards
+from specroll_jax import distill, grpo, rewards, slow_path
 from specroll_jax.decode import VanillaEngine
 from specroll_jax.default_policy import ensure_default_policy
 from specroll_jax.engines import eos_ids, prior_acceptance, summarize, tree_config
 from specroll_jax.heads import HeadsConfig, load_heads, save_heads
 from specroll_jax.policy import Policy, load_policy
+from specroll_jax.reflex import ReflexConfig
 from specroll_jax.report import write_report
 from specroll_jax.rollout import Driver, RolloutConfig, pow2_at_least
 from specroll_jax.sampling import SamplerConfig
+from specroll_jax.slow_path import MonitorState, SlowPathConfig
 from specroll_jax.speculative import SpecEngine, SpecParams
 from specroll_jax.tasks import load_tasks
 
 METRICS_FILE = 'metrics.jsonl'
+# static: warm-started heads, never adapted; online: heads retrained on every batch (the
+# FastGRPO-like baseline); reflex / slow: one timescale; both: SpecRoll.
+ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
 
 
 class Rollouts:
   """The rollout side: an engine and its driver, fed the learner's current params."""
 
-  def __init__(self, policy: Policy, c, heads_dir: Path | None):
+  def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None):
     r = c.rollout
     self.sampler = SamplerConfig(r.temperature, r.top_k, r.top_p)
     self.group_size = r.group_size
-    self.heads = None
-    if r.engine == 'specroll':
+    self.speculative = r.engine == 'specroll'
+    if self.speculative:
       tree = tree_config(policy, branching=r.branching, max_nodes=r.max_nodes,
                          capacity_tokens=r.capacity_tokens)
-      heads_config, self.heads = load_heads(heads_dir, policy.config)
+      reflex = (ReflexConfig(**c.adaptation.reflex)
+                if c.adaptation.mode in ('reflex', 'both') else None)
       engine = SpecEngine(policy.config, heads_config, tree, self.sampler, eos_ids(policy),
                           prior_accept=prior_acceptance(heads_dir),
-                          tree_attention=r.tree_attention)
+                          tree_attention=r.tree_attention, reflex=reflex)
     elif r.engine == 'vanilla':
       engine = VanillaEngine(policy.config, self.sampler, eos_ids(policy))
     else:
       raise ValueError(f'rollout.engine must be vanilla or specroll, got {r.engine!r}')
     self.driver = Driver(engine, RolloutConfig(r.max_new_tokens, max_batch=r.max_batch))
 
-  def generate(self, policy_params, prompts, seed):
-    params = policy_params if self.heads is None else SpecParams(policy_params, self.heads)
+  def generate(self, policy_params, head_params, prompts, seed):
+    params = SpecParams(policy_params, head_params) if self.speculative else policy_params
     return self.driver.generate(params, prompts, self.group_size, seed)
+
+
+class HeadAdaptation:
+  """The slow timescale between rollout batches: monitor + consolidation, or the
+  always-online baseline. Reflex (the fast timescale) lives inside the engine."""
+
+  def __init__(self, c, policy: Policy, heads_config: HeadsConfig):
+    self.mode = c.adaptation.mode
+    self.config = SlowPathConfig(**c.adaptation.slow_path)
+    self.branching = tuple(c.rollout.branching)
+    self.policy_config, self.heads_config = policy.config, heads_config
+
+  @property
+  def harvests(self) -> bool:
+    return self.mode in ('online', 'slow', 'both')
+
+  def init_state(self) -> MonitorState:
+    return MonitorState.init(self.config, len(self.branching))
+
+  def update(self, heads, monitor, policy_params, responses, pairs, seed):
+    """Returns (heads, monitor, metrics) after one rollout batch."""
+    if self.mode == 'online':
+      result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
+                                     policy_params, pairs, np.ones(self.heads_config.num_heads,
+                                                                   bool), seed, rollback=False)
+      return result.params, monitor, {'head_kl_before': result.kl_before.tolist(),
+                                      'head_kl_after': result.kl_after.tolist()}
+    window = slow_path.window_stats(responses, self.branching)
+    metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
+               'head_regret': window.regret.round(4).tolist()}
+    if not self.harvests:
+      return heads, monitor, metrics
+    active = np.sum([r.stats['reached_by_depth'] for r in responses], axis=0) > 0
+    monitor, triggered = slow_path.observe(self.config, monitor, window, active)
+    metrics['triggered'] = np.flatnonzero(triggered).tolist()
+    if triggered.any():
+      mask = np.zeros(self.heads_config.num_heads, bool)
+      mask[:len(triggered)] = triggered
+      result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
+                                     policy_params, pairs, mask, seed)
+      monitor = slow_path.after_update(self.config, monitor, triggered,
+                                       result.kept[:len(triggered)])
+      heads = result.params
+      metrics.update(kept=np.flatnonzero(result.kept).tolist(),
+                     head_kl_before=result.kl_before.tolist(),
+                     head_kl_after=result.kl_after.tolist())
+    return heads, monitor, metrics
 
 
 def resolve_policy(c) -> Path:
@@ -85,9 +138,9 @@ def warm_start_heads(policy: Policy, c, tasks, workdir: Path) -> Path:
   return directory
 
 
-def grpo_config(c) -> grpo.GRPOConfig:
+def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
   g = c.grpo
-  return grpo.GRPOConfig(
+  return grpo.GRPOConfig(harvest_top_k=harvest_top_k, 
       group_size=c.rollout.group_size, clip_epsilon_low=g.clip_epsilon_low,
       clip_epsilon_high=g.clip_epsilon_high, kl_coef=g.kl_coef,
       loss_aggregation=g.loss_aggregation, temperature=c.rollout.temperature or 1.0,
@@ -101,6 +154,15 @@ def rollout_digest(responses) -> str:
   for r in responses:
     h.update(np.asarray(r.token_ids, np.int32).tobytes() + b'|')
   return h.hexdigest()[:16]
+
+
+def drift_kl(model_config, initial_params, batch: grpo.RolloutBatch, temperature: float) -> float:
+  """KL(pi_current || pi_initial) estimated on the rollout's own tokens (sampled from the
+  current policy): the mean of log pi_current - log pi_initial over response tokens."""
+  initial = grpo.token_logprobs(model_config, initial_params, batch.tokens, temperature)
+  mask = np.asarray(batch.response_mask)
+  return float(np.sum(np.where(mask, np.asarray(batch.old_logprobs) - np.asarray(initial), 0.0))
+               / max(mask.sum(), 1))
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -120,12 +182,24 @@ def train(c, workdir) -> dict:
                      data_dir=c.task.data_dir or None, split=c.task.split or None)
   if not tasks:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
-  heads_dir = warm_start_heads(policy, c, tasks, workdir) if c.rollout.engine == 'specroll' else None
-  rollouts = Rollouts(policy, c, heads_dir)
-  config = grpo_config(c)
+  if c.adaptation.mode not in ADAPTATION_MODES:
+    raise ValueError(f'config adaptation.mode must be one of {ADAPTATION_MODES}, '
+                     f'got {c.adaptation.mode!r}')
+  speculative = c.rollout.engine == 'specroll'
+  heads_dir = heads_config = adaptation = None
+  if speculative:
+    heads_dir = warm_start_heads(policy, c, tasks, workdir)
+    heads_config, heads = load_heads(heads_dir, policy.config)
+    adaptation = HeadAdaptation(c, policy, heads_config)
+  rollouts = Rollouts(policy, c, heads_config, heads_dir)
+  config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
   optimizer = grpo.make_optimizer(config)
   state = {'policy': policy.params, 'opt_state': optimizer.init(policy.params), 'step': 0,
            'data_position': 0}
+  if speculative:
+    # Adapted heads and the slow path's monitor resume with everything else.
+    state.update(heads=heads, monitor=adaptation.init_state())
+  initial_policy = policy.params
   reference = policy.params if config.kl_coef > 0 else None
   manager = ocp.CheckpointManager(
       (workdir / 'checkpoints').resolve(),
@@ -146,7 +220,8 @@ def train(c, workdir) -> dict:
       prompts = [policy.tokenizer.encode(t.prompt) for t in batch_tasks]
       times = {}
       start = time.perf_counter()
-      responses = rollouts.generate(state['policy'], prompts, seed=c.seed * 1_000_003 + step)
+      responses = rollouts.generate(state['policy'], state.get('heads'), prompts,
+                                    seed=c.seed * 1_000_003 + step)
       times['rollout'] = time.perf_counter() - start
       start = time.perf_counter()
       texts = [policy.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in responses]
@@ -164,19 +239,32 @@ def train(c, workdir) -> dict:
       jax.block_until_ready(batch)
       times['logprobs'] = time.perf_counter() - start
       start = time.perf_counter()
-      params, opt_state, update = grpo.train_step(policy.config, config, state['policy'],
-                                                  state['opt_state'], batch)
+      params, opt_state, update, pairs = grpo.train_step(policy.config, config, state['policy'],
+                                                         state['opt_state'], batch)
       jax.block_until_ready(params)
       times['update'] = time.perf_counter() - start
-      times['head_update'] = 0.0
-      state = {'policy': params, 'opt_state': opt_state, 'step': step + 1,
+      start = time.perf_counter()
+      adapted = {}
+      if adaptation is not None:
+        # Pairs come from the pre-update policy's forward, so they are scored with it.
+        heads, monitor, adapted = adaptation.update(state['heads'], state['monitor'],
+                                                    state['policy'], responses, pairs,
+                                                    seed=c.seed * 1_000_003 + step)
+        jax.block_until_ready(heads)
+      times['head_update'] = time.perf_counter() - start
+      if c.metrics.drift_kl:
+        adapted['drift_kl'] = drift_kl(policy.config, initial_policy, batch, config.temperature)
+      state = {**state, 'policy': params, 'opt_state': opt_state, 'step': step + 1,
                'data_position': (position + per_step) % len(tasks)}
+      if adaptation is not None:
+        state.update(heads=heads, monitor=monitor)
       summary = summarize(responses)
       last = {'step': step + 1, 'reward': float(scores.mean()),
               'accuracy': float((scores == 1.0).mean()),
               'response_length': summary['tokens'] / len(responses),
               'tau': summary['tau'], 'acceptance_by_depth': summary.get('acceptance_by_depth'),
               'rollout_digest': rollout_digest(responses),
+              **{k: v for k, v in summary.items() if k.startswith('reflex_')}, **adapted,
               **{k: float(v) for k, v in update.items()},
               **{f'time_{k}': v for k, v in times.items()}}
       with metrics_path.open('a') as f:

@@ -3,7 +3,9 @@ import pytest
 
 from configs import bench_w2, paper, tiny_math
 from specroll_jax.data import load_dataset
-from specroll_jax.trainer import grpo_config
+from specroll_jax.reflex import ReflexConfig
+from specroll_jax.slow_path import SlowPathConfig
+from specroll_jax.trainer import ADAPTATION_MODES, grpo_config
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
@@ -15,7 +17,10 @@ def test_training_configs_are_consistent(config):
   assert rows % config.grpo.micro_batch_size == 0
   assert config.rollout.engine in ('vanilla', 'specroll')
   assert config.rollout.max_batch % 8 == 0
-  grpo_config(config)  # validates clip ranges, aggregation, learning rate
+  grpo_config(config, config.adaptation.harvest_top_k)  # validates clip ranges, lr, ...
+  assert config.adaptation.mode in ADAPTATION_MODES
+  ReflexConfig(**config.adaptation.reflex)
+  SlowPathConfig(**config.adaptation.slow_path)
   if not config.task.source.startswith('synthetic:'):
     assert load_dataset(config.task.source).examples
 

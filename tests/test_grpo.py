@@ -219,7 +219,7 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, tiny_params):
   full_grads, full_metrics = jax.jit(jax.grad(grpo.grpo_loss, argnums=2, has_aux=True),
                                      static_argnums=(0, 1))(TINY, config, params, batch)
   assert 0 < float(full_metrics['clip_fraction']) < 1
-  grads, metrics = jax.jit(grpo.accumulated_gradients, static_argnums=(0, 1))(
+  grads, metrics, _ = jax.jit(grpo.accumulated_gradients, static_argnums=(0, 1))(
       TINY, config, params, batch)
   # Same terms, summed in a different order and through differently shaped GEMMs: float32
   # rounding (~6e-8 per operation, over at most ~100 scored tokens) stays far below 1e-5 of
@@ -242,7 +242,7 @@ def test_train_step_raises_logprobs_of_positive_advantage_sequences(tiny_params)
   batch = batch.replace(old_logprobs=jnp.where(batch.response_mask, logp, 0.0),
                         advantages=jnp.asarray([1.0, -1.0] * 4), ref_logprobs=None)
   opt_state = grpo.make_optimizer(config).init(params)
-  new_params, _, metrics = grpo.train_step(TINY, config, params, opt_state, batch)
+  new_params, _, metrics, _ = grpo.train_step(TINY, config, params, opt_state, batch)
   assert float(metrics['ratio']) == pytest.approx(1.0, abs=1e-6)
   assert float(metrics['grad_norm']) > 0
   new_logp = grpo.token_logprobs(TINY, new_params, batch.tokens, 1.0)

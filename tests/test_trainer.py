@@ -44,13 +44,26 @@ def _final_params(workdir):
                                          args=ocp.args.StandardRestore())['policy'])
 
 
+# Forces the slow path to consolidate on every window after the first, so Reflex and head
+# updates both run inside the compared training.
+ALWAYS_TRIGGER = {'adaptation.slow_path.drop': -1.0, 'adaptation.slow_path.regret_z': -1e9,
+                  'adaptation.slow_path.patience': 1, 'adaptation.slow_path.cooldown': 0,
+                  'adaptation.slow_path.calibration_windows': 1,
+                  'adaptation.slow_path.steps': 3, 'adaptation.slow_path.batch_size': 4,
+                  'adaptation.reflex.gate_threshold': -1.0}
+
+
 def test_specroll_and_vanilla_training_agree(tmp_path):
-  spec = train(_config(rollout__engine='specroll'), tmp_path / 'spec')
+  spec = train(_config(rollout__engine='specroll', **{k.replace('.', '__'): v
+                                                      for k, v in ALWAYS_TRIGGER.items()}),
+               tmp_path / 'spec')
   train(_config(rollout__engine='vanilla'), tmp_path / 'vanilla')
   a, b = _metrics(tmp_path / 'spec'), _metrics(tmp_path / 'vanilla')
   assert [m['rollout_digest'] for m in a] == [m['rollout_digest'] for m in b]
   assert [m['reward'] for m in a] == [m['reward'] for m in b]
   assert spec['tau'] >= 1.0 and (tmp_path / 'spec' / 'report.md').exists()
+  assert a[1]['triggered'], a[1]  # window 1 calibrates; window 2 consolidates
+  assert all(max(m['reflex_gate']) > 0 for m in a)
   for x, y in zip(_final_params(tmp_path / 'spec'), _final_params(tmp_path / 'vanilla')):
     # Identical tokens; the rollout log-probs (GRPO's old log-probs) differ at the float32
     # floor (see test_speculative_exactness), which can move an update by a few ulps.
