@@ -149,7 +149,9 @@ class Driver:
       running = np.flatnonzero(row_of_slot >= 0)
       if not len(running):
         return
-      batch = next(b for b in self.buckets if b >= len(running))
+      # One bucket down at a time (a run that starts below its stop returns at once): the
+      # compiled shapes are then one gather per bucket, whatever order rows finish in.
+      batch = stop_at
       keep = np.concatenate([running, np.flatnonzero(row_of_slot < 0)])[:batch]
       state = self._take_rows(state, jnp.asarray(keep, jnp.int32))
       row_of_slot = row_of_slot[keep]

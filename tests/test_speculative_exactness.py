@@ -4,6 +4,9 @@ Greedy: identical tokens, always. Sampling with the same seed: identical tokens;
 mismatch may only come from a float near-tie between differently shaped forwards, bounded
 at 0.1% of tokens (counting every token after a response's first divergence). Heads range from fresh to random to deliberately bad, and the oracle
 proposer (true future tokens) drives deep acceptances through EOS and length cut-offs.
+Every test runs twice: with static heads, and with adaptation on (Reflex correcting the
+proposals inside the rollout, its gate forced open, on heads the slow path has just
+updated): adaptation may change what is proposed, never what is emitted.
 """
 import jax
 import jax.numpy as jnp
@@ -11,11 +14,13 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from specroll_jax import load_policy
+from specroll_jax import distill, load_policy, slow_path
 from specroll_jax.decode import VanillaEngine
 from specroll_jax.heads import HeadsConfig, init_heads
+from specroll_jax.reflex import ReflexConfig
 from specroll_jax.rollout import Driver, RolloutConfig
 from specroll_jax.sampling import SamplerConfig
+from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.speculative import SpecEngine, SpecParams
 from specroll_jax.tree import TreeConfig
 from tests.tiny_models import make_checkpoint
@@ -30,15 +35,40 @@ PROMPTS = ['Once upon a time', 'The cat sat on', 'Lily and Tom went to the park 
 LOGPROB_ATOL = 1e-5
 LOGPROB_RTOL = 1e-5
 HEADS = HeadsConfig(num_heads=4)
+# Gate open from the first feedback and large corrections: proposals really move.
+OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
+
+
+@pytest.fixture(params=['static', 'adaptive'], autouse=True)
+def adaptation(request):
+  """Module-wide switch read by _heads and _engine."""
+  global ADAPTIVE
+  ADAPTIVE = request.param == 'adaptive'
+  yield request.param
+
+
+def _slow_path_update(policy, params):
+  """Heads after one slow-path consolidation (all heads, kept) on the policy's own text."""
+  rng = np.random.default_rng(0)
+  sequences = [list(rng.integers(1, policy.config.vocab_size, 24)) for _ in range(8)]
+  pairs = distill.build_batch(policy.config, policy.params, sequences, 24, 8)
+  return slow_path.consolidate(HEADS, policy.config, SlowPathConfig(steps=3, batch_size=4),
+                               params, policy.params, pairs, np.ones(4, bool), seed=0,
+                               rollback=False).params
 
 
 def _heads(policy, kind: str):
   params = init_heads(HEADS, policy.config, seed=1)
-  if kind == 'fresh':
-    return params
-  scale = {'random': 0.3, 'bad': 30.0}[kind]
-  noise = jax.random.normal(jax.random.key(2), params['w2'].shape) * scale
-  return dict(params, w2=noise)
+  if kind != 'fresh':
+    scale = {'random': 0.3, 'bad': 30.0}[kind]
+    noise = jax.random.normal(jax.random.key(2), params['w2'].shape) * scale
+    params = dict(params, w2=noise)
+  return _slow_path_update(policy, params) if ADAPTIVE else params
+
+
+def _engine(policy, tree, sampler, eos, **kwargs):
+  return SpecEngine(policy.config, HEADS, tree, sampler, eos,
+                    reflex=OPEN_REFLEX if ADAPTIVE else None, **kwargs)
 
 
 def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_batch, eos,
@@ -52,7 +82,7 @@ def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_b
     for i, r in enumerate(vanilla):
       oracle_tokens[i, :len(r.token_ids)] = r.token_ids
     oracle_tokens = jnp.asarray(oracle_tokens)
-  engine = SpecEngine(policy.config, HEADS, tree, sampler, eos)
+  engine = _engine(policy, tree, sampler, eos)
   spec = Driver(engine, config).generate(SpecParams(policy.params, heads, oracle_tokens),
                                          prompts, num_samples, seed)
   return vanilla, spec
@@ -142,8 +172,7 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
   config = RolloutConfig(max_new_tokens=positions, max_batch=256)
   vanilla = Driver(VanillaEngine(policy.config, sampler, ()), config).generate(
       policy.params, prompt, samples, seed=2)
-  engine = SpecEngine(policy.config, HEADS, TreeConfig(capacity_tokens=1024, max_nodes=8),
-                      sampler, ())
+  engine = _engine(policy, TreeConfig(capacity_tokens=1024, max_nodes=8), sampler, ())
   spec = Driver(engine, config).generate(SpecParams(policy.params, _heads(policy, 'fresh')),
                                          prompt, samples, seed=1)
   for position in range(positions):
@@ -163,11 +192,11 @@ def test_no_recompilation_in_steady_state(stories_policy):
   from specroll_jax.compilation import count_compilations
   policy = stories_policy
   sampler = SamplerConfig(temperature=1.0)
-  engine = SpecEngine(policy.config, HEADS, TreeConfig(capacity_tokens=32, max_nodes=16),
-                      sampler, (2,))
+  engine = _engine(policy, TreeConfig(capacity_tokens=32, max_nodes=16), sampler, (2,))
   driver = Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=8))
   params = SpecParams(policy.params, _heads(policy, 'random'))
-  driver.generate(params, _encode(policy), 3, seed=0)
+  for seed in range(3):  # visit every batch bucket (rows finish at data-dependent steps)
+    driver.generate(params, _encode(policy), 3, seed=seed)
   other = [policy.tokenizer.encode(t) for t in ('A dog', 'The sun was hot', 'Tim', 'Sue ran')]
   with count_compilations() as compiled:
     driver.generate(params, other, 3, seed=5)
@@ -182,8 +211,8 @@ def test_pallas_tree_attention_engine_matches_vanilla(stories_policy):
   prompts = _encode(policy)[:2]
   vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), config).generate(
       policy.params, prompts, 1, 0)
-  engine = SpecEngine(policy.config, HEADS, TreeConfig(capacity_tokens=16, max_nodes=8),
-                      sampler, (2,), tree_attention='pallas')
+  engine = _engine(policy, TreeConfig(capacity_tokens=16, max_nodes=8), sampler, (2,),
+                   tree_attention='pallas')
   spec = Driver(engine, config).generate(SpecParams(policy.params, _heads(policy, 'fresh')),
                                          prompts, 1, 0)
   _check(vanilla, spec, greedy=True)
