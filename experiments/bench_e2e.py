@@ -8,7 +8,6 @@ Speedups are ratios of summed step times; the first step of each run includes co
 and is reported separately.
 """
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import matplotlib
 from absl import app
 from ml_collections import config_flags
 
+from experiments.common import run_fresh, totals
 from specroll_jax.report import TIME_KEYS
-from specroll_jax.trainer import METRICS_FILE, train
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -28,19 +27,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
 def run_engine(c, engine: str) -> list[dict]:
   run = c.copy_and_resolve_references()
   run.rollout.engine = engine
-  workdir = Path(c.workdir) / engine
-  shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)
-  (workdir / METRICS_FILE).unlink(missing_ok=True)
-  train(run, workdir)
-  return [json.loads(l) for l in (workdir / METRICS_FILE).read_text().splitlines() if l]
-
-
-def totals(rows) -> dict:
-  steady = rows[1:]  # step 1 compiles every shape
-  out = {k: sum(r[f'time_{k}'] for r in steady) for k in TIME_KEYS}
-  out['end_to_end'] = sum(out.values())
-  out['first_step'] = sum(rows[0][f'time_{k}'] for k in TIME_KEYS)
-  return out
+  return run_fresh(run, Path(c.workdir) / engine)
 
 
 def main(argv):

@@ -1,6 +1,10 @@
 """Paths and file helpers shared by the experiment entry points (no flags defined here)."""
 import json
+import shutil
 from pathlib import Path
+
+from specroll_jax.report import TIME_KEYS
+from specroll_jax.trainer import METRICS_FILE, train
 
 SHARED = Path(__file__).resolve().parents[2] / 'shared'
 DEFAULT_CHECKPOINT = SHARED / 'models' / 'stories260K'
@@ -34,3 +38,21 @@ def write_jsonl_atomic(path: Path, rows) -> None:
     for row in rows:
       f.write(json.dumps(row) + '\n')
   tmp.replace(path)
+
+
+def run_fresh(run, workdir: Path) -> list[dict]:
+  """Trains config `run` from step 0 in `workdir` (cached heads kept); returns its metrics."""
+  shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)
+  (workdir / METRICS_FILE).unlink(missing_ok=True)
+  train(run, workdir)
+  return [json.loads(l) for l in (workdir / METRICS_FILE).read_text().splitlines() if l]
+
+
+def totals(rows, warmup: int = 1) -> dict:
+  """Seconds per timed phase summed over the steps after `warmup` (the first step compiles
+  most shapes; first_step reports it)."""
+  steady = rows[warmup:]
+  out = {k: sum(r[f'time_{k}'] for r in steady) for k in TIME_KEYS}
+  out['end_to_end'] = sum(out.values())
+  out['first_step'] = sum(rows[0][f'time_{k}'] for k in TIME_KEYS)
+  return out

@@ -35,9 +35,9 @@ from flax import struct
 class ReflexConfig:
   half_life: float = 48.0        # matured feedbacks (about tokens) for the memory to halve
   reliability_decay: float = 0.9  # beta of the reliability average (~19 feedbacks)
-  gate_threshold: float = 0.2    # tau_rel: reliability below this keeps the gate shut
-  step_size: float = 0.3         # eta: correction per unit of memory, in units of ||h_t||
-  max_correction: float = 0.3    # c: bound on ||correction|| / ||h_t||
+  gate_threshold: float = 0.1    # tau_rel: reliability below this keeps the gate shut
+  step_size: float = 3.0         # eta: correction per unit of memory, in units of ||h_t||
+  max_correction: float = 0.5    # c: bound on ||correction|| / ||h_t||
   dist_weight: float = 1.0       # a: weight of the distribution error
   coverage_weight: float = 1.0   # b: weight of the coverage error
 

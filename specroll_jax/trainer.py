@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
@@ -72,6 +73,7 @@ class HeadAdaptation:
     self.mode = c.adaptation.mode
     self.config = SlowPathConfig(**c.adaptation.slow_path)
     self.branching = tuple(c.rollout.branching)
+    self.response_span = c.rollout.max_new_tokens + 1  # last prompt position + the response
     self.policy_config, self.heads_config = policy.config, heads_config
 
   @property
@@ -81,34 +83,37 @@ class HeadAdaptation:
   def init_state(self) -> MonitorState:
     return MonitorState.init(self.config, len(self.branching))
 
-  def update(self, heads, monitor, policy_params, responses, pairs, seed):
-    """Returns (heads, monitor, metrics) after one rollout batch."""
-    if self.mode == 'online':
-      result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
-                                     policy_params, pairs, np.ones(self.heads_config.num_heads,
-                                                                   bool), seed, rollback=False)
-      return result.params, monitor, {'head_kl_before': result.kl_before.tolist(),
-                                      'head_kl_after': result.kl_after.tolist()}
+  def update(self, heads, monitor, policy_params, responses, pairs, prompt_lengths, seed):
+    """Returns (heads, monitor, metrics) after one rollout batch; `pairs` are the GRPO
+    forward's harvest over whole rows, `prompt_lengths` the rows' prompt lengths."""
     window = slow_path.window_stats(responses, self.branching)
     metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
                'head_regret': window.regret.round(4).tolist()}
     if not self.harvests:
       return heads, monitor, metrics
-    active = np.sum([r.stats['reached_by_depth'] for r in responses], axis=0) > 0
-    monitor, triggered = slow_path.observe(self.config, monitor, window, active)
-    metrics['triggered'] = np.flatnonzero(triggered).tolist()
-    if triggered.any():
-      mask = np.zeros(self.heads_config.num_heads, bool)
-      mask[:len(triggered)] = triggered
-      result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
-                                     policy_params, pairs, mask, seed)
+    all_heads = np.ones(self.heads_config.num_heads, bool)
+    if self.mode == 'online':
+      triggered = all_heads
+    else:
+      active = np.sum([r.stats['reached_by_depth'] for r in responses], axis=0) > 0
+      monitor, triggered = slow_path.observe(self.config, monitor, window, active)
+      metrics['triggered'] = np.flatnonzero(triggered).tolist()
+      if not triggered.any():
+        return heads, monitor, metrics
+    mask = np.zeros_like(all_heads)
+    mask[:len(triggered)] = triggered
+    spans = slow_path.response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
+                                     self.response_span)
+    result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
+                                   policy_params, spans, mask, seed,
+                                   rollback=self.mode != 'online')
+    if self.mode != 'online':
       monitor = slow_path.after_update(self.config, monitor, triggered,
                                        result.kept[:len(triggered)])
-      heads = result.params
-      metrics.update(kept=np.flatnonzero(result.kept).tolist(),
-                     head_kl_before=result.kl_before.tolist(),
-                     head_kl_after=result.kl_after.tolist())
-    return heads, monitor, metrics
+      metrics['kept'] = np.flatnonzero(result.kept).tolist()
+    metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
+                   head_kl_after=result.kl_after.round(4).tolist())
+    return result.params, monitor, metrics
 
 
 def resolve_policy(c) -> Path:
@@ -249,6 +254,8 @@ def train(c, workdir) -> dict:
         # Pairs come from the pre-update policy's forward, so they are scored with it.
         heads, monitor, adapted = adaptation.update(state['heads'], state['monitor'],
                                                     state['policy'], responses, pairs,
+                                                    [len(prompts[r.prompt_index])
+                                                     for r in responses],
                                                     seed=c.seed * 1_000_003 + step)
         jax.block_until_ready(heads)
       times['head_update'] = time.perf_counter() - start

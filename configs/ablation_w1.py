@@ -1,0 +1,28 @@
+"""W1 adaptation ablation: one seeded GRPO run per head-adaptation variant.
+
+  python -m experiments.bench_adaptation --config=configs/ablation_w1.py
+
+The GRPO learning rate is raised over the main job's so the policy drifts measurably
+within the run (drift_kl: KL(current || initial) on each batch's own tokens). A fixed
+verification capacity keeps trees of several nodes per response on a CPU, so acceptance
+(and its decay) is visible; vanilla runs too, for the speedups.
+"""
+from configs.tiny_math import get_config as base_config
+
+
+def get_config():
+  c = base_config()
+  c.steps = 60
+  c.checkpoint_every = 60
+  c.rollout.prompts_per_step = 8
+  c.rollout.max_batch = 64
+  c.rollout.capacity_tokens = 512
+  c.grpo.learning_rate = 3e-4
+  c.metrics.drift_kl = True
+  c.variants = ('static', 'online', 'reflex', 'slow', 'both')
+  c.include_vanilla = True
+  c.window = 20  # steps averaged into tau_first20 / tau_last20
+  c.warmup_steps = 5  # excluded from the times: they compile the engines' shapes
+  c.out_dir = 'results/ablation_w1'
+  c.workdir = 'workdir/ablation_w1'
+  return c

@@ -1,0 +1,15 @@
+"""The notebooks run top to bottom (so they never rot)."""
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests.conftest import REPO
+
+NOTEBOOKS = sorted((REPO / 'experiments' / 'notebooks').glob('*.ipynb'))
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path):
+  notebook = nbformat.read(path, as_version=4)
+  NotebookClient(notebook, timeout=900, kernel_name='python3',
+                 resources={'metadata': {'path': str(path.parent)}}).execute()
