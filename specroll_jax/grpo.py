@@ -50,6 +50,10 @@ class GRPOConfig:
   micro_batch_size: int = 8
   advantage_eps: float = 1e-6
   harvest_top_k: int = 0  # > 0: also return head-training pairs from the update's forward
+  # True: pi_old is the learner's own forward at the step's starting parameters (exact for
+  # one update per batch, as train_step does), not the rollout engine's log-probs, so
+  # training does not depend on the engine's float32 rounding (1e-5, shape dependent).
+  learner_old_logprobs: bool = False
 
   def __post_init__(self):
     if self.group_size < 1:
@@ -238,6 +242,9 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
     weights = loss_weights(config.loss_aggregation, batch.response_mask)
   logprobs, entropy, pairs = _scored_forward(model_config, params, batch.tokens,
                                              config.temperature, config.harvest_top_k)
+  if config.learner_old_logprobs:
+    batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
+                                                 jax.lax.stop_gradient(logprobs), 0.0))
   loss, metrics = surrogate_loss(config, logprobs, batch, weights)
   metrics['entropy'] = jnp.sum(weights * jax.lax.stop_gradient(entropy))
   return loss, (metrics, pairs)

@@ -15,8 +15,8 @@ W^T (p - q) is minus the cross-entropy gradient at the head's hidden output, so 
 along r moves q toward p without a backward pass. The memory is an exponential average of
 unit feedback directions; its reliability is the running cosine between each new feedback
 and the memory that was in place when the proposal was made (did past errors predict this
-one?). The correction z' = z + g * clip_norm(eta m_k / (1 - lambda^n), c) * ||h_t|| (n =
-feedbacks so far) is gated by
+one?). The correction z' = z + eta * g * clip_norm(m_k / (1 - lambda^n), c) * ||h_t|| (n =
+feedbacks so far; its norm is at most eta * c * ||h_t||) is gated by
 g = clip((rho_k - tau_rel) / (1 - tau_rel), 0, 1), so it stays shut on noise.
 
 Pending sketches live in a ring of H slots per head indexed by target position mod H:
@@ -36,8 +36,8 @@ class ReflexConfig:
   half_life: float = 48.0        # matured feedbacks (about tokens) for the memory to halve
   reliability_decay: float = 0.9  # beta of the reliability average (~19 feedbacks)
   gate_threshold: float = 0.1    # tau_rel: reliability below this keeps the gate shut
-  step_size: float = 3.0         # eta: correction per unit of memory, in units of ||h_t||
-  max_correction: float = 0.5    # c: bound on ||correction|| / ||h_t||
+  step_size: float = 1.0         # eta: correction per unit of gated memory, in units of ||h_t||
+  max_correction: float = 0.5    # c: bound on the memory's norm (correction <= eta c ||h_t||)
   dist_weight: float = 1.0       # a: weight of the distribution error
   coverage_weight: float = 1.0   # b: weight of the coverage error
 
@@ -107,7 +107,7 @@ def correction(config: ReflexConfig, state: ReflexState, hidden):
   # Bias-corrected like Adam's moments: after n consistent feedbacks the raw average has
   # norm 1 - lambda^n, which would mute the memory for the first ~half-life tokens.
   unbiased = state.memory / jnp.maximum(1.0 - config.memory_decay ** state.matured, 1e-6)[..., None]
-  relative = g[..., None] * _clip_norm(config.step_size * unbiased, config.max_correction)
+  relative = config.step_size * g[..., None] * _clip_norm(unbiased, config.max_correction)
   delta = relative * h_norm
   finite = jnp.all(jnp.isfinite(delta), axis=-1, keepdims=True)
   delta = jnp.where(finite, delta, 0.0)

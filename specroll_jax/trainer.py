@@ -150,7 +150,8 @@ def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
       clip_epsilon_high=g.clip_epsilon_high, kl_coef=g.kl_coef,
       loss_aggregation=g.loss_aggregation, temperature=c.rollout.temperature or 1.0,
       learning_rate=g.learning_rate, weight_decay=g.weight_decay,
-      max_grad_norm=g.max_grad_norm, micro_batch_size=g.micro_batch_size)
+      max_grad_norm=g.max_grad_norm, micro_batch_size=g.micro_batch_size,
+      learner_old_logprobs=g.learner_old_logprobs)
 
 
 def rollout_digest(responses) -> str:
