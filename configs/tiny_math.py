@@ -29,7 +29,7 @@ def get_config():
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='both', harvest_top_k=32,
-      reflex=dict(half_life=48.0, reliability_decay=0.9, gate_threshold=0.1, step_size=1.0,
+      reflex=dict(half_life=48.0, reliability_decay=0.95, gate_threshold=0.1, step_size=1.0,
                   max_correction=0.5, dist_weight=1.0, coverage_weight=1.0),
       slow_path=dict(drop=0.05, regret_z=2.5, patience=2, cooldown=3, calibration_windows=2,
                      history=8, min_regret_scale=0.01, steps=40, batch_size=32,

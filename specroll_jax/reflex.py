@@ -1,15 +1,17 @@
 """Reflex: gradient-free, per-response correction of the heads' hidden states (METHOD.md 4).
 
 Every proposal q_{t,k} (head k's distribution for the token at position P + k, P = the
-root's position) is kept as a sketch: its top-M ids and log-probs, the head's candidate set
-C (the ranks the tree may offer from that head) and the memory m_k as it was when the
-proposal was made. It matures when the policy's distribution p for that position is known,
+root's position) is kept as a sketch: its top-K ids and log-probs (K = the tree's widest
+branching; the candidate set C is head k's top branching[k] of them, the ranks the tree
+may offer from that head) and the memory m_k as it was when the proposal was made. It matures when the policy's distribution p for that position is known,
 which is when a verification walk draws there (this step for the depths it reached, a
 later step otherwise). A matured pair gives a feedback vector in hidden space through the
 shared projection W:
 
     r_dist = sum_{v in C} (p(v) - q(v)) W[v]               (mass misplaced inside C)
     r_cov  = sum_{v in top-M(p), v not in C} p(v) (W[v] - mean_{u in C} W[u])   (mass missed)
+
+with top-M(p) the policy's M most likely tokens there (the verifier walk keeps them).
 
 W^T (p - q) is minus the cross-entropy gradient at the head's hidden output, so moving z
 along r moves q toward p without a backward pass. The memory is an exponential average of
@@ -34,7 +36,7 @@ from flax import struct
 @dataclasses.dataclass(frozen=True)
 class ReflexConfig:
   half_life: float = 48.0        # matured feedbacks (about tokens) for the memory to halve
-  reliability_decay: float = 0.9  # beta of the reliability average (~19 feedbacks)
+  reliability_decay: float = 0.95  # beta of the reliability average (~39 feedbacks)
   gate_threshold: float = 0.1    # tau_rel: reliability below this keeps the gate shut
   step_size: float = 1.0         # eta: correction per unit of gated memory, in units of ||h_t||
   max_correction: float = 0.5    # c: bound on the memory's norm (correction <= eta c ||h_t||)
@@ -60,8 +62,8 @@ class ReflexConfig:
 class ReflexState:
   memory: jax.Array            # float32 [B, H, D] m_k, average of unit feedbacks (norm <= 1)
   reliability: jax.Array       # float32 [B, H] rho_k
-  pending_ids: jax.Array       # int32 [B, H(slot), H, M] sketch ids, best first
-  pending_logq: jax.Array      # float32 [B, H(slot), H, M] their log-probs under the sampler
+  pending_ids: jax.Array       # int32 [B, H(slot), H, K] sketch ids, best first
+  pending_logq: jax.Array      # float32 [B, H(slot), H, K] their log-probs under the sampler
   pending_memory: jax.Array    # float32 [B, H(slot), H, D] m_k when the proposal was made
   pending_position: jax.Array  # int32 [B, H(slot), H] target position; -1 = empty slot
   matured: jax.Array           # float32 [B, H] feedbacks received
@@ -73,8 +75,8 @@ class ReflexState:
   correction_trace: jax.Array  # float32 [B, S, H] ||correction|| / ||h_t|| per engine step
 
   @classmethod
-  def init(cls, batch: int, heads: int, dim: int, sketch_size: int, max_steps: int):
-    m = sketch_size
+  def init(cls, batch: int, heads: int, dim: int, candidates: int, max_steps: int):
+    m = candidates
     zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
     return cls(
         memory=zeros(batch, heads, dim), reliability=zeros(batch, heads),
@@ -125,7 +127,7 @@ def record_trace(state: ReflexState, step_index, running, g, relative_norm) -> R
 
 
 def record_proposals(state: ReflexState, ids, logq, root_positions, proposed) -> ReflexState:
-  """Stores each head's proposal sketch (ids, logq [B, H, M]) for target position root + k.
+  """Stores each head's proposal sketch (ids, logq [B, H, K]) for target position root + k.
 
   proposed: bool [B, H], which heads proposed this step (running rows, evaluated heads).
   """
@@ -145,20 +147,23 @@ def record_proposals(state: ReflexState, ids, logq, root_positions, proposed) ->
 def feedback(ids_q, logq, in_candidates, ids_p, probs_p, rows_q, rows_p, config: ReflexConfig):
   """The feedback vector of one matured proposal, with its error masses.
 
-  ids_q, logq, in_candidates: [..., M] the proposal sketch and its candidate set C;
-  ids_p, probs_p: [..., M] the policy's top-M; rows_q, rows_p: [..., M, D] = W[ids].
+  ids_q, logq, in_candidates: [..., K] the proposal sketch and its candidate set C;
+  ids_p, probs_p: [..., M] the policy's top-M; rows_q: [..., K, D] = W[ids_q];
+  rows_p: [..., M, D] = W[ids_p] (leading dims may be 1 where the policy side is shared).
   Returns (r [..., D], sum_{v in C} |p(v) - q(v)|, p mass outside C).
   """
-  same = ids_q[..., :, None] == ids_p[..., None, :]                       # [..., Mq, Mp]
+  same = ids_q[..., :, None] == ids_p[..., None, :]                       # [..., K, M]
   p_at_q = jnp.sum(jnp.where(same, probs_p[..., None, :], 0.0), axis=-1)  # p of q's ids
   c = in_candidates.astype(jnp.float32)
   e_dist = c * (p_at_q - jnp.exp(logq))
   covered = jnp.any(same & in_candidates[..., :, None], axis=-2)
   e_cov = jnp.where(covered, 0.0, probs_p)
-  mean_c = (jnp.einsum('...m,...md->...d', c, rows_q)
+  mean_c = (jnp.einsum('...k,...kd->...d', c, rows_q)
             / jnp.maximum(jnp.sum(c, axis=-1, keepdims=True), 1.0))
-  r_dist = jnp.einsum('...m,...md->...d', e_dist, rows_q)
-  r_cov = jnp.einsum('...m,...md->...d', e_cov, rows_p - mean_c[..., None, :])
+  r_dist = jnp.einsum('...k,...kd->...d', e_dist, rows_q)
+  # sum_v e_cov(v) (W[v] - mean_C) without materialising W[v] - mean_C per head.
+  r_cov = (jnp.einsum('...m,...md->...d', e_cov, rows_p)
+           - jnp.sum(e_cov, axis=-1, keepdims=True) * mean_c)
   r = config.dist_weight * r_dist + config.coverage_weight * r_cov
   return r, jnp.sum(jnp.abs(e_dist), axis=-1), jnp.sum(e_cov, axis=-1)
 
@@ -174,21 +179,20 @@ def mature(config: ReflexConfig, state: ReflexState, target_ids, target_probs, r
   """
   batch, heads, _ = target_ids.shape
   rows = jnp.arange(batch)
-  in_candidates = (jnp.arange(target_ids.shape[-1])[None, :]
-                   < jnp.asarray(candidates_per_head)[:, None])          # [H, M]
+  in_candidates = (jnp.arange(state.pending_ids.shape[-1])[None, :]
+                   < jnp.asarray(candidates_per_head)[:, None])          # [H, K]
   decay, beta = config.memory_decay, config.reliability_decay
   for j in range(heads):  # feedbacks mature in position order
     position = root_positions + j + 1
     slot = position % heads
-    ids_q = state.pending_ids[rows, slot]                                 # [B, H, M]
+    ids_q = state.pending_ids[rows, slot]                                 # [B, H, K]
     pending = state.pending_position[rows, slot] == position[:, None]     # [B, H]
     live = pending & reached[:, j:j + 1]
-    ids_p = jnp.broadcast_to(target_ids[:, j, None], ids_q.shape)
-    probs_p = jnp.broadcast_to(target_probs[:, j, None], ids_q.shape)
-    rows_p = jnp.broadcast_to(vocab_rows(target_ids[:, j])[:, None],
-                              ids_q.shape + (state.memory.shape[-1],))
+    # The policy side is the same for every head: [B, 1, M] broadcasts against [B, H, K].
     r, dist_err, cov_err = feedback(ids_q, state.pending_logq[rows, slot], in_candidates,
-                                    ids_p, probs_p, vocab_rows(ids_q), rows_p, config)
+                                    target_ids[:, j, None], target_probs[:, j, None],
+                                    vocab_rows(ids_q), vocab_rows(target_ids[:, j])[:, None],
+                                    config)
     r_norm = jnp.linalg.norm(r, axis=-1, keepdims=True)
     unit = jnp.where(r_norm > 1e-12, r / jnp.maximum(r_norm, 1e-30), 0.0)
     then = state.pending_memory[rows, slot]

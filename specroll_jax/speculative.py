@@ -65,8 +65,8 @@ class SpecState:
 class Proposal:
   tokens: jax.Array       # int32 [B, H, K] tree candidates per head, best first
   probs: jax.Array        # float32 [B, H, K] their probabilities under the sampler
-  sketch_ids: jax.Array   # int32 [B, H, M] the head's own top-M (Reflex's pending sketch)
-  sketch_logq: jax.Array  # float32 [B, H, M] their log-probs
+  sketch_ids: jax.Array   # int32 [B, H, K] the head's own top-K (Reflex's pending sketch)
+  sketch_logq: jax.Array  # float32 [B, H, K] their log-probs
   gate: jax.Array         # float32 [B, H] Reflex gate (0 without Reflex)
   correction: jax.Array   # float32 [B, H] ||Reflex correction|| / ||h_t||
 
@@ -82,7 +82,7 @@ class SpecEngine:
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
   tree_attention: str = 'xla'        # attention for the tree forward (attention.py)
   reflex: ReflexConfig | None = None  # the fast path (reflex.py); None = static heads
-  sketch_size: int = 32              # M: top tokens kept of each proposal / verifier draw
+  sketch_size: int = 32              # M: top tokens of the policy kept at each verifier draw
 
   def __post_init__(self):
     if self.tree_config.depth > self.heads_config.num_heads:
@@ -126,7 +126,7 @@ class SpecEngine:
     reflex_state = None
     if self.reflex is not None:
       # A row carries one response for its whole life, so Reflex starts fresh per response.
-      reflex_state = ReflexState.init(batch, depth, self.model_config.hidden_size, self.sketch,
+      reflex_state = ReflexState.init(batch, depth, self.model_config.hidden_size, k,
                                       seqs.tokens.shape[1])
     state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
                       stats=stats, reflex=reflex_state)
@@ -151,10 +151,9 @@ class SpecEngine:
       delta, gate, correction = reflex.correction(self.reflex, state.reflex, state.last_hidden)
       z = (z.astype(jnp.float32) + delta[:, :depth]).astype(z.dtype)
     logits = self.model.apply({'params': params.policy}, z, method=Transformer.project)
-    ranked_probs, ranked = jax.lax.top_k(sampling.distribution(logits, self.sampler),
-                                         max(tc.top_k, self.sketch))
-    ranked = ranked.astype(jnp.int32)
-    tokens, probs = ranked[..., :tc.top_k], ranked_probs[..., :tc.top_k]
+    probs, tokens = jax.lax.top_k(sampling.distribution(logits, self.sampler), tc.top_k)
+    tokens = tokens.astype(jnp.int32)
+    sketch_ids, sketch_logq = tokens, jnp.log(probs)  # the heads' own, before any oracle
     if params.oracle_tokens is not None:
       # Head d's node sits d tokens after the root, whose index is num_generated.
       seqs = state.seqs
@@ -164,9 +163,8 @@ class SpecEngine:
       tokens = tokens.at[:, :, 0].set(true)
       probs = probs.at[:, :, 0].set(1.0)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tc.depth - depth), (0, 0)))
-    return Proposal(tokens=pad(tokens), probs=pad(probs), sketch_ids=pad(ranked[..., :self.sketch]),
-                    sketch_logq=pad(jnp.log(ranked_probs[..., :self.sketch])), gate=gate,
-                    correction=correction)
+    return Proposal(tokens=pad(tokens), probs=pad(probs), sketch_ids=pad(sketch_ids),
+                    sketch_logq=pad(sketch_logq), gate=gate, correction=correction)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
     seqs, stats, tc = state.seqs, state.stats, self.tree_config

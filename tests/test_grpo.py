@@ -1,5 +1,6 @@
 """GRPO core: advantages and the clipped surrogate by hand, learner/rollout log-prob
 alignment, exact micro-batch accumulation, and the direction of an update."""
+import dataclasses
 import math
 
 import jax
@@ -249,3 +250,22 @@ def test_train_step_raises_logprobs_of_positive_advantage_sequences(tiny_params)
   change = np.asarray(jnp.sum(jnp.where(batch.response_mask, new_logp - logp, 0.0), axis=1))
   # Row 7 is all padding: no tokens, no change.
   assert (change[0:7:2] > 0).all() and (change[1:7:2] < 0).all() and change[7] == 0, change
+
+
+def test_learner_old_logprobs_ignore_the_rollout_logprobs(tiny_params):
+  """pi_old from the learner's forward: the same update as exact behaviour log-probs, and
+  nothing the engine reported (here: noise) reaches the gradient."""
+  params = tiny_params
+  batch = _random_batch(params)
+  exact = batch.replace(old_logprobs=jnp.where(
+      batch.response_mask, grpo.token_logprobs(TINY, params, batch.tokens, 1.0), 0.0))
+  grad = jax.jit(grpo.accumulated_gradients, static_argnums=(0, 1))
+  config = grpo.GRPOConfig(micro_batch_size=4, kl_coef=0.1)
+  reference, _, _ = grad(TINY, config, params, exact)
+  learner = dataclasses.replace(config, learner_old_logprobs=True)
+  grads, metrics, _ = grad(TINY, learner, params, batch)
+  assert float(metrics['ratio']) == pytest.approx(1.0, abs=1e-6)
+  assert float(metrics['clip_fraction']) == 0.0
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
+    # Two compilations of the same forward: float32 rounding only.
+    np.testing.assert_allclose(g, r, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(r))))
