@@ -59,6 +59,29 @@ def variant_result(rows, window: int, warmup: int) -> dict:
   }
 
 
+def targets(result: dict) -> list[str]:
+  """The issue's targets, each with the measured values and whether it is met."""
+  v = result['variants']
+  lines = []
+  for metric, key in (('tau', 'tau_mean'), ('end-to-end time', 'time_end_to_end_s')):
+    better = (lambda a, b: a > b) if key == 'tau_mean' else (lambda a, b: a < b)
+    value = lambda name: v[name][key]
+    order = (better(value('both'), value('reflex')) and better(value('both'), value('slow'))
+             and better(value('reflex'), value('static')) and better(value('slow'), value('static')))
+    lines.append(f"- both > reflex, slow > static on {metric}: "
+                 f"{'met' if order else 'missed'} (" + ', '.join(
+                     f'{n} {value(n):.3f}' for n in ('both', 'reflex', 'slow', 'static')) + ')')
+  ratio = v['online']['time_end_to_end_s'] / v['both']['time_end_to_end_s']
+  lines.append(f"- both >= 1.2x faster end to end than online: "
+               f"{'met' if ratio >= 1.2 else 'missed'} ({ratio:.2f}x)")
+  keep = lambda name: v[name]['tau_last20'] / v[name]['tau_first20']
+  lines.append(f"- tau_last20 / tau_first20 >= 0.9 for both: "
+               f"{'met' if keep('both') >= 0.9 else 'missed'} ({keep('both'):.3f})")
+  lines.append(f"- static falls below 0.75: {'met' if keep('static') < 0.75 else 'missed'} "
+               f"({keep('static'):.3f})")
+  return lines
+
+
 def write_outputs(c, result: dict, out: Path) -> str:
   variants = result['variants']
   lines = ['| variant | tau mean | tau first20 | tau last20 | last/first | generation s | '
@@ -77,7 +100,8 @@ def write_outputs(c, result: dict, out: Path) -> str:
       f"samples x <= {c.rollout.max_new_tokens} tokens; drift KL(current || initial) at the "
       f"last step {result['drift_kl_last']:.3f} nats/token; identical rollouts across "
       f"variants: {result['identical_rollouts']}.\n\n" + '\n'.join(lines)
-      + f"\n\nTimes are summed over steps {c.warmup_steps + 1}..{c.steps}. End-to-end ratios:\n{summary}\n\n![tau](tau.png)\n")
+      + f"\n\nTimes are summed over steps {c.warmup_steps + 1}..{c.steps}. End-to-end ratios:\n{summary}"
+      + '\n\nTargets:\n' + '\n'.join(targets(result)) + '\n\n![tau](tau.png)\n')
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   for name, v in variants.items():
     ax1.plot(range(1, len(v['tau_by_step']) + 1), v['tau_by_step'], label=name)
