@@ -93,13 +93,21 @@ def write_outputs(c, result: dict, out: Path) -> str:
                  f"{v['time_head_updates_s']:.1f} | {v['time_end_to_end_s']:.1f} | "
                  f"{len(v['trigger_events'])} |")
   speed = result['speedups']
+  agreement = ''
+  if result.get('vanilla_rollout_digests'):
+    same_steps = {name: next((i for i, (a, b) in enumerate(
+        zip(v['rollout_digests'], result['vanilla_rollout_digests'])) if a != b),
+        len(v['rollout_digests'])) for name, v in variants.items()}
+    agreement = (' Steps whose rollouts equal vanilla\'s before the first difference (a '
+                 'sampling float near-tie changes one token, and the runs then train on '
+                 'different data): ' + ', '.join(f'{n} {k}' for n, k in same_steps.items()) + '.')
   summary = '\n'.join(f'- {k}: {v:.3f}x' for k, v in speed.items())
   (out / 'README.md').write_text(
       f"# Head-adaptation ablation (W1)\n\nCommand: `{result['command']}`\n\n"
       f"{c.steps} GRPO steps, {c.rollout.prompts_per_step} prompts x {c.rollout.group_size} "
       f"samples x <= {c.rollout.max_new_tokens} tokens; drift KL(current || initial) at the "
       f"last step {result['drift_kl_last']:.3f} nats/token; identical rollouts across "
-      f"variants: {result['identical_rollouts']}.\n\n" + '\n'.join(lines)
+      f"variants: {result['identical_rollouts']}.{agreement}\n\n" + '\n'.join(lines)
       + f"\n\nTimes are summed over steps {c.warmup_steps + 1}..{c.steps}. End-to-end ratios:\n{summary}"
       + '\n\nTargets:\n' + '\n'.join(targets(result)) + '\n\n![tau](tau.png)\n')
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -138,6 +146,7 @@ def main(argv):
       'steps': c.steps, 'variants': variants, 'speedups': speedups,
       'time_end_to_end_s': end_to_end,
       'identical_rollouts': len({tuple(d) for d in digests.values()}) == 1,
+      'vanilla_rollout_digests': digests.get('vanilla'),
       'drift_kl_last': next(iter(variants.values()))['drift_kl_by_step'][-1],
   }
   out = Path(c.out_dir)
