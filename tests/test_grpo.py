@@ -267,5 +267,7 @@ def test_learner_old_logprobs_ignore_the_rollout_logprobs(tiny_params):
   assert float(metrics['ratio']) == pytest.approx(1.0, abs=1e-6)
   assert float(metrics['clip_fraction']) == 0.0
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
-    # Two compilations of the same forward: float32 rounding only.
-    np.testing.assert_allclose(g, r, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+    # The reference's pi_old comes from an 8-row forward, the learner's from 4-row
+    # micro-batches: float32 rounding of the log-probs (~1e-6) moves the ratio by as much,
+    # the same 1e-5-of-the-largest-entry bound as the micro-batch test above.
+    np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(r))))
