@@ -95,6 +95,12 @@ def gate(config: ReflexConfig, reliability):
   return jnp.clip((reliability - config.gate_threshold) / (1.0 - config.gate_threshold), 0.0, 1.0)
 
 
+def _unit(x):
+  """x / ||x|| along the last axis; 0 where x is (numerically) 0."""
+  norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+  return jnp.where(norm > 1e-12, x / jnp.maximum(norm, 1e-30), 0.0)
+
+
 def _clip_norm(x, bound):
   norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
   return x * jnp.minimum(1.0, bound / jnp.maximum(norm, 1e-30))
@@ -193,12 +199,8 @@ def mature(config: ReflexConfig, state: ReflexState, target_ids, target_probs, r
                                     target_ids[:, j, None], target_probs[:, j, None],
                                     vocab_rows(ids_q), vocab_rows(target_ids[:, j])[:, None],
                                     config)
-    r_norm = jnp.linalg.norm(r, axis=-1, keepdims=True)
-    unit = jnp.where(r_norm > 1e-12, r / jnp.maximum(r_norm, 1e-30), 0.0)
-    then = state.pending_memory[rows, slot]
-    then_norm = jnp.linalg.norm(then, axis=-1)
-    alignment = jnp.where(then_norm > 1e-12,
-                          jnp.sum(then * unit, axis=-1) / jnp.maximum(then_norm, 1e-30), 0.0)
+    unit = _unit(r)
+    alignment = jnp.sum(_unit(state.pending_memory[rows, slot]) * unit, axis=-1)
     memory = jnp.where(live[..., None], decay * state.memory + (1 - decay) * unit, state.memory)
     reliability = jnp.where(live, beta * state.reliability + (1 - beta) * alignment,
                             state.reliability)

@@ -71,12 +71,17 @@ def distribution(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
   return jax.nn.softmax(transform_logits(logits, sampler), axis=-1)
 
 
-def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig) -> jax.Array:
-  """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...]."""
+def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig, probs=None) -> jax.Array:
+  """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...].
+
+  probs: `distribution(logits, sampler)` when the caller has already computed it (the
+  verifier also sketches it), so the transform (a sort under top-p) runs once.
+  """
   if sampler.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1))
-  probs = jax.nn.softmax(transform_logits(logits, sampler), axis=-1)
+  if probs is None:
+    probs = distribution(logits, sampler)
   cdf = jnp.cumsum(probs, axis=-1)
   threshold = uniform.reshape(keys.shape)[..., None] * cdf[..., -1:]
   # The first token whose cdf passes the threshold has positive mass by construction.

@@ -58,6 +58,7 @@ class WindowStats:
   acceptance: np.ndarray
   accepted_depth: np.ndarray
   regret: np.ndarray
+  proposed: np.ndarray  # bool: the head proposed at a depth the verifier drew this window
 
 
 def window_stats(responses, branching) -> WindowStats:
@@ -71,7 +72,8 @@ def window_stats(responses, branching) -> WindowStats:
   return WindowStats(
       acceptance=np.sum(hits * candidates, axis=1) / denominator,
       accepted_depth=np.sum([s['accepted_by_depth'] for s in stats], axis=0) / steps,
-      regret=1.0 - np.sum([s['candidate_mass'] for s in stats], axis=0) / denominator)
+      regret=1.0 - np.sum([s['candidate_mass'] for s in stats], axis=0) / denominator,
+      proposed=reached > 0)
 
 
 @struct.dataclass
@@ -105,10 +107,11 @@ def regret_z(history: np.ndarray, regret: np.ndarray, min_scale: float) -> np.nd
   return z
 
 
-def observe(config: SlowPathConfig, state: MonitorState, window: WindowStats, active):
-  """Feeds one window; returns (state, triggered bool [H]). `active`: heads that proposed."""
+def observe(config: SlowPathConfig, state: MonitorState, window: WindowStats):
+  """Feeds one window; returns (state, triggered bool [H]). Heads that did not propose in
+  the window (the batch was too crowded for their depth) are neither judged nor calibrated."""
   state = jax.tree.map(np.array, state)
-  active = np.asarray(active, bool)
+  active = np.asarray(window.proposed, bool)
   calibrating = active & (state.calibrating > 0)
   left = np.maximum(state.calibrating, 1)
   # Running mean over the calibration windows.

@@ -1,6 +1,7 @@
 """The GRPO training loop: rollout (vanilla or SpecRoll) -> rewards -> GRPO update.
 
-Learner and rollout meet only through `Rollouts.generate(policy_params, prompts, seed)`, so
+Learner and rollout meet only through `Rollouts.generate(policy_params, head_params,
+prompts, seed)`, so
 the engine is a config switch and speculation changes nothing in GRPO. Everything needed to
 resume bit for bit (policy, optimizer state, heads, step, data position) is an Orbax
 checkpoint under workdir/checkpoints; the per-step rollout seed is derived from (seed,
@@ -95,8 +96,7 @@ class HeadAdaptation:
     if self.mode == 'online':
       triggered = all_heads
     else:
-      active = np.sum([r.stats['reached_by_depth'] for r in responses], axis=0) > 0
-      monitor, triggered = slow_path.observe(self.config, monitor, window, active)
+      monitor, triggered = slow_path.observe(self.config, monitor, window)
       metrics['triggered'] = np.flatnonzero(triggered).tolist()
       if not triggered.any():
         return heads, monitor, metrics
@@ -145,13 +145,13 @@ def warm_start_heads(policy: Policy, c, tasks, workdir: Path) -> Path:
 
 def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
   g = c.grpo
-  return grpo.GRPOConfig(harvest_top_k=harvest_top_k, 
+  return grpo.GRPOConfig(
       group_size=c.rollout.group_size, clip_epsilon_low=g.clip_epsilon_low,
       clip_epsilon_high=g.clip_epsilon_high, kl_coef=g.kl_coef,
       loss_aggregation=g.loss_aggregation, temperature=c.rollout.temperature or 1.0,
       learning_rate=g.learning_rate, weight_decay=g.weight_decay,
       max_grad_norm=g.max_grad_norm, micro_batch_size=g.micro_batch_size,
-      learner_old_logprobs=g.learner_old_logprobs)
+      learner_old_logprobs=g.learner_old_logprobs, harvest_top_k=harvest_top_k)
 
 
 def rollout_digest(responses) -> str:

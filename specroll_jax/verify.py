@@ -52,7 +52,8 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
     depth, current, walking, path, logprobs, drawn, reached, last_logits, sketch = carry
     logits = project(hidden[rows, current])
     keys = sampling.token_keys(seed_key, response_ids, root_positions + depth)
-    y = sampling.draw(logits, keys, sampler)
+    probs = sampling.distribution(logits, sampler)
+    y = sampling.draw(logits, keys, sampler, probs)
     is_child = (tree.valid & (tree.parents == current[:, None]) & (tree.depths == depth)
                 & (tree.tokens == y[:, None]))
     found = walking & is_child.any(axis=1)
@@ -66,7 +67,7 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
         sampling.token_logprob(logits, y, sampler)), logprobs)
     drawn = jnp.where(record, drawn.at[:, slot].set(y), drawn)
     reached = jnp.where(record, reached.at[:, slot].set(walking), reached)
-    top_probs, top_ids = jax.lax.top_k(sampling.distribution(logits, sampler), sketch_size)
+    top_probs, top_ids = jax.lax.top_k(probs, sketch_size)
     sketch = jax.tree.map(lambda buf, x: jnp.where(record, buf.at[:, slot].set(x), buf),
                           sketch, (top_ids.astype(jnp.int32), top_probs))
     return depth + 1, current, found, path, logprobs, drawn, reached, last_logits, sketch

@@ -244,6 +244,7 @@ def test_train_step_raises_logprobs_of_positive_advantage_sequences(tiny_params)
                         advantages=jnp.asarray([1.0, -1.0] * 4), ref_logprobs=None)
   opt_state = grpo.make_optimizer(config).init(params)
   new_params, _, metrics, _ = grpo.train_step(TINY, config, params, opt_state, batch)
+  # Every ratio is exp(0) = 1 exactly; the metric is their weighted float32 sum.
   assert float(metrics['ratio']) == pytest.approx(1.0, abs=1e-6)
   assert float(metrics['grad_norm']) > 0
   new_logp = grpo.token_logprobs(TINY, new_params, batch.tokens, 1.0)
@@ -264,6 +265,7 @@ def test_learner_old_logprobs_ignore_the_rollout_logprobs(tiny_params):
   reference, _, _ = grad(TINY, config, params, exact)
   learner = dataclasses.replace(config, learner_old_logprobs=True)
   grads, metrics, _ = grad(TINY, learner, params, batch)
+  # Every ratio is exp(0) = 1 exactly; the metric is their weighted float32 sum.
   assert float(metrics['ratio']) == pytest.approx(1.0, abs=1e-6)
   assert float(metrics['clip_fraction']) == 0.0
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
