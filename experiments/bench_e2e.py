@@ -16,7 +16,7 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments.common import run_fresh, totals
-from specroll_jax.report import TIME_KEYS
+from specroll_jax.rl.report import TIME_KEYS
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402

@@ -21,13 +21,14 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from specroll_jax import distill, load_policy
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.engines import eos_ids, prior_acceptance, summarize, tree_config
-from specroll_jax.heads import HeadsConfig, load_heads, save_heads
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
-from specroll_jax.speculative import SpecEngine, SpecParams
+from specroll_jax.adapt import distill
+from specroll_jax import load_policy
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.factory import eos_ids, prior_acceptance, summarize, tree_config
+from specroll_jax.spec.heads import HeadsConfig, load_heads, save_heads
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.spec.engine import SpecEngine, SpecParams
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402

@@ -3,8 +3,8 @@ import json
 import shutil
 from pathlib import Path
 
-from specroll_jax.report import TIME_KEYS
-from specroll_jax.trainer import METRICS_FILE, train
+from specroll_jax.rl.report import TIME_KEYS
+from specroll_jax.rl.trainer import METRICS_FILE, train
 
 SHARED = Path(__file__).resolve().parents[2] / 'shared'
 DEFAULT_CHECKPOINT = SHARED / 'models' / 'stories260K'

@@ -13,11 +13,11 @@ from tqdm import tqdm
 
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
-from specroll_jax.attention import ATTENTION_IMPLEMENTATIONS
-from specroll_jax.engines import ENGINES, make_engine, summarize, tree_config
-from specroll_jax.mesh import MeshConfig, data_size, make_mesh, shard_params
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
+from specroll_jax.spec.factory import ENGINES, make_engine, summarize, tree_config
+from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')

@@ -7,7 +7,7 @@
 from absl import app, flags
 from ml_collections import config_flags
 
-from specroll_jax.trainer import train
+from specroll_jax.rl.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 flags.DEFINE_string('workdir', 'workdir/tiny_math', 'Run directory (metrics, checkpoints, report).')

@@ -12,8 +12,9 @@ from pathlib import Path
 from absl import app, flags
 
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts
-from specroll_jax import distill, load_policy
-from specroll_jax.heads import HeadsConfig, save_heads
+from specroll_jax.adapt import distill
+from specroll_jax import load_policy
+from specroll_jax.spec.heads import HeadsConfig, save_heads
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('out', None, 'Directory to write the heads to.')

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.tree_attention import tree_attention
-from specroll_jax.attention import block_attention
+from specroll_jax.model.attention import block_attention
 
 
 def random_inputs(rng, batch, s_len, t_len, heads, kv_heads, head_dim, min_fill, dtype):

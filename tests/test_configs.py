@@ -2,10 +2,10 @@
 import pytest
 
 from configs import bench_w2, paper, tiny_math
-from specroll_jax.data import load_dataset
-from specroll_jax.reflex import ReflexConfig
-from specroll_jax.slow_path import SlowPathConfig
-from specroll_jax.trainer import ADAPTATION_MODES, grpo_config
+from specroll_jax.tasks.data import load_dataset
+from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.adapt.monitor import SlowPathConfig
+from specroll_jax.rl.trainer import ADAPTATION_MODES, grpo_config
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 

@@ -4,7 +4,8 @@ import logging
 
 import pytest
 
-from specroll_jax import data, rewards
+from specroll_jax.tasks import data
+from specroll_jax.tasks import rewards
 
 # (name, split, rows in /work/shared/data/README.md, malformed rows among them)
 SHARED = [

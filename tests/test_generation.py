@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from specroll_jax.compilation import count_compilations
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.rollout import FINISH_EOS, FINISH_LENGTH, Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.rollout.compilation import count_compilations
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.rollout.driver import FINISH_EOS, FINISH_LENGTH, Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
 from tests.conftest import STORIES
 
 PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park to play', 'Hi']

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import grpo
-from specroll_jax.config import ModelConfig, RopeConfig
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.model import Transformer, causal_mask
-from specroll_jax.rollout import Driver, Response, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.rl import grpo
+from specroll_jax.model.config import ModelConfig, RopeConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.model.transformer import Transformer, causal_mask
+from specroll_jax.rollout.driver import Driver, Response, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
 
 TINY = ModelConfig(architecture='LlamaForCausalLM', vocab_size=64, hidden_size=32,
                    intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,

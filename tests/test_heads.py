@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import distill
-from specroll_jax.heads import HeadsConfig, apply_heads, init_heads, load_heads, save_heads
+from specroll_jax.adapt import distill
+from specroll_jax.spec.heads import HeadsConfig, apply_heads, init_heads, load_heads, save_heads
 
 
 def test_fresh_heads_propose_the_next_token_distribution(stories_policy):

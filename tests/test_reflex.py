@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import reflex
-from specroll_jax.reflex import ReflexConfig, ReflexState
+from specroll_jax.adapt import reflex
+from specroll_jax.adapt.reflex import ReflexConfig, ReflexState
 
 VOCAB, DIM, HEADS, SKETCH = 128, 64, 2, 16  # DIM as in stories260K
 

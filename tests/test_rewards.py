@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from specroll_jax import rewards
+from specroll_jax.tasks import rewards
 
 GSM = 'gsm8k'
 MATH = 'math'

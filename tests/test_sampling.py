@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from specroll_jax import sampling
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.rollout import sampling
+from specroll_jax.rollout.sampling import SamplerConfig
 
 DRAWS = 40000
 

@@ -5,12 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import distill, grpo, slow_path
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.heads import HeadsConfig, init_heads
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
-from specroll_jax.slow_path import MonitorState, SlowPathConfig, WindowStats
+from specroll_jax.adapt import distill
+from specroll_jax.rl import grpo
+from specroll_jax.adapt import monitor as slow_path
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.adapt.monitor import MonitorState, SlowPathConfig, WindowStats
 
 HEADS = 3
 

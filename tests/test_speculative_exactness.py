@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from specroll_jax import distill, load_policy, slow_path
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.heads import HeadsConfig, init_heads
-from specroll_jax.reflex import ReflexConfig
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
-from specroll_jax.slow_path import SlowPathConfig
-from specroll_jax.speculative import SpecEngine, SpecParams
-from specroll_jax.tree import TreeConfig
+from specroll_jax.adapt import distill
+from specroll_jax import load_policy
+from specroll_jax.adapt import monitor as slow_path
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.adapt.monitor import SlowPathConfig
+from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.spec.tree import TreeConfig
 from tests.tiny_models import make_checkpoint
 
 PROMPTS = ['Once upon a time', 'The cat sat on', 'Lily and Tom went to the park to play', 'Hi']
@@ -189,7 +191,7 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
 
 
 def test_no_recompilation_in_steady_state(stories_policy):
-  from specroll_jax.compilation import count_compilations
+  from specroll_jax.rollout.compilation import count_compilations
   policy = stories_policy
   sampler = SamplerConfig(temperature=1.0)
   engine = _engine(policy, TreeConfig(capacity_tokens=32, max_nodes=16), sampler, (2,))

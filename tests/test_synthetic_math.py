@@ -5,10 +5,11 @@ import re
 import numpy as np
 import pytest
 
-from specroll_jax import load_policy, rewards
-from specroll_jax.default_policy import ensure_default_policy
-from specroll_jax.pretrain import REPORT_FILE, PretrainConfig, pretrain
-from specroll_jax.synthetic_math import make_problems
+from specroll_jax import load_policy
+from specroll_jax.tasks import rewards
+from specroll_jax.tasks.default_policy import ensure_default_policy
+from specroll_jax.tasks.pretrain import REPORT_FILE, PretrainConfig, pretrain
+from specroll_jax.tasks.synthetic_math import make_problems
 
 _LINE = re.compile(r'(\d+) ([-+*/]) (\d+) = (\d+)')
 _APPLY = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b,

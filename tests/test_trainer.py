@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs.tiny_math import get_config
-from specroll_jax.trainer import train
+from specroll_jax.rl.trainer import train
 from tests.conftest import REPO, STORIES
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.tree import TreeConfig, build_tree, edge_scores
+from specroll_jax.spec.tree import TreeConfig, build_tree, edge_scores
 
 
 def test_budget_follows_concurrency():

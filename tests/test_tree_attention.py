@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kernels.tree_attention import tree_attention
-from specroll_jax.attention import block_attention
+from specroll_jax.model.attention import block_attention
 
 # (batch, cache slots S, block tokens T, heads H, kv heads KVH, head dim, block_s).
 # Head dims and block_s stay >= 16 so the same tests also compile for Triton on a GPU.

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from specroll_jax import sampling
-from specroll_jax.config import ModelConfig
-from specroll_jax.kv_cache import KVCache, commit
-from specroll_jax.mesh import constrain_rows
-from specroll_jax.model import Transformer
-from specroll_jax.rollout import prefill
-from specroll_jax.sequences import Sequences
+from specroll_jax.rollout import sampling
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.model.kv_cache import KVCache, commit
+from specroll_jax.model.mesh import constrain_rows
+from specroll_jax.model.transformer import Transformer
+from specroll_jax.rollout.driver import prefill
+from specroll_jax.rollout.sequences import Sequences
 
 
 @struct.dataclass

@@ -17,18 +17,19 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from specroll_jax import reflex, sampling
-from specroll_jax.attention import attention_implementation
-from specroll_jax.config import ModelConfig
-from specroll_jax.heads import HeadsConfig, apply_heads
-from specroll_jax.kv_cache import KVCache, commit
-from specroll_jax.mesh import constrain_rows
-from specroll_jax.reflex import ReflexConfig, ReflexState
-from specroll_jax.model import Transformer
-from specroll_jax.rollout import prefill
-from specroll_jax.sequences import Sequences
-from specroll_jax.tree import TreeConfig, build_tree, edge_scores
-from specroll_jax.verify import walk
+from specroll_jax.adapt import reflex
+from specroll_jax.rollout import sampling
+from specroll_jax.model.attention import attention_implementation
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.spec.heads import HeadsConfig, apply_heads
+from specroll_jax.model.kv_cache import KVCache, commit
+from specroll_jax.model.mesh import constrain_rows
+from specroll_jax.adapt.reflex import ReflexConfig, ReflexState
+from specroll_jax.model.transformer import Transformer
+from specroll_jax.rollout.driver import prefill
+from specroll_jax.rollout.sequences import Sequences
+from specroll_jax.spec.tree import TreeConfig, build_tree, edge_scores
+from specroll_jax.spec.verify import walk
 
 
 @struct.dataclass

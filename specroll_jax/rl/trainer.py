@@ -19,19 +19,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from specroll_jax import distill, grpo, rewards, slow_path
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.default_policy import ensure_default_policy
-from specroll_jax.engines import eos_ids, prior_acceptance, summarize, tree_config
-from specroll_jax.heads import HeadsConfig, load_heads, save_heads
-from specroll_jax.policy import Policy, load_policy
-from specroll_jax.reflex import ReflexConfig
-from specroll_jax.report import write_report
-from specroll_jax.rollout import Driver, RolloutConfig, pow2_at_least
-from specroll_jax.sampling import SamplerConfig
-from specroll_jax.slow_path import MonitorState, SlowPathConfig
-from specroll_jax.speculative import SpecEngine, SpecParams
-from specroll_jax.tasks import load_tasks
+from specroll_jax.adapt import distill
+from specroll_jax.rl import grpo
+from specroll_jax.tasks import rewards
+from specroll_jax.adapt import monitor as slow_path
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.tasks.default_policy import ensure_default_policy
+from specroll_jax.spec.factory import eos_ids, prior_acceptance, summarize, tree_config
+from specroll_jax.spec.heads import HeadsConfig, load_heads, save_heads
+from specroll_jax.model.policy import Policy, load_policy
+from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.rl.report import write_report
+from specroll_jax.rollout.driver import Driver, RolloutConfig, pow2_at_least
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.adapt.monitor import MonitorState, SlowPathConfig
+from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.tasks.sources import load_tasks
 
 METRICS_FILE = 'metrics.jsonl'
 # static: warm-started heads, never adapted; online: heads retrained on every batch (the

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from specroll_jax import rewards
+from specroll_jax.tasks import rewards
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data'
 

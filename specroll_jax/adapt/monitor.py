@@ -24,9 +24,9 @@ import numpy as np
 import optax
 from flax import struct
 
-from specroll_jax import distill
-from specroll_jax.distill import DistillBatch, DistillConfig
-from specroll_jax.heads import HeadsConfig
+from specroll_jax.adapt import distill
+from specroll_jax.adapt.distill import DistillBatch, DistillConfig
+from specroll_jax.spec.heads import HeadsConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ experiments/pretrain_policy.py.
 import sys
 from pathlib import Path
 
-from specroll_jax import pretrain
+from specroll_jax.tasks import pretrain
 
 DIRECTORY_NAME = 'w1_synthetic_math_policy'
 

@@ -7,7 +7,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specroll_jax.kv_cache import KVCache
+from specroll_jax.model.kv_cache import KVCache
 
 # Megatron-style split: column-parallel in-projections, row-parallel out-projections.
 PARAM_RULES = (

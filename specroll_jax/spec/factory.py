@@ -1,13 +1,13 @@
 """Building a rollout engine by name, and summarising what a rollout did."""
 import numpy as np
 
-from specroll_jax.capacity import load_or_measure
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.heads import heads_metadata, load_heads
-from specroll_jax.policy import Policy
-from specroll_jax.sampling import SamplerConfig
-from specroll_jax.speculative import SpecEngine, SpecParams
-from specroll_jax.tree import TreeConfig
+from specroll_jax.spec.capacity import load_or_measure
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import heads_metadata, load_heads
+from specroll_jax.model.policy import Policy
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.spec.tree import TreeConfig
 
 ENGINES = ('vanilla', 'specroll')
 

@@ -10,9 +10,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specroll_jax.attention import block_attention
-from specroll_jax.config import ModelConfig, rope_inverse_frequencies
-from specroll_jax.kv_cache import BlockKV, KVCache
+from specroll_jax.model.attention import block_attention
+from specroll_jax.model.config import ModelConfig, rope_inverse_frequencies
+from specroll_jax.model.kv_cache import BlockKV, KVCache
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from safetensors.flax import load_file, save_file
 
-from specroll_jax.config import ModelConfig
+from specroll_jax.model.config import ModelConfig
 
 HEADS_FILE = 'heads.safetensors'
 HEADS_CONFIG_FILE = 'heads_config.json'

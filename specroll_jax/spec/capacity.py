@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from specroll_jax.config import ModelConfig
-from specroll_jax.kv_cache import KVCache
-from specroll_jax.model import Transformer
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.model.kv_cache import KVCache
+from specroll_jax.model.transformer import Transformer
 
 DEFAULT_BATCHES = (64, 32, 16, 8)
 CACHE_DIR_ENV = 'SPECROLL_CAPACITY_DIR'

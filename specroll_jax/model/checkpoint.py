@@ -9,7 +9,7 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from specroll_jax.config import ModelConfig
+from specroll_jax.model.config import ModelConfig
 
 # Tensors some exporters write that carry no parameters of ours: a tied head's copy and
 # precomputed rotary tables.

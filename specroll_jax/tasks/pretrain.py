@@ -32,13 +32,14 @@ import optax
 from flax import struct
 from tqdm import tqdm
 
-from specroll_jax import rewards, synthetic_math
-from specroll_jax.config import ModelConfig, RopeConfig
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.model import Transformer, causal_mask
-from specroll_jax.policy import Policy, load_tokenizer
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.tasks import rewards
+from specroll_jax.tasks import synthetic_math
+from specroll_jax.model.config import ModelConfig, RopeConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.model.transformer import Transformer, causal_mask
+from specroll_jax.model.policy import Policy, load_tokenizer
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
 
 # The stories260K tokenizer (512 tokens, byte fallback, one token per digit).
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / 'shared' / 'models' / 'stories260K'

@@ -17,12 +17,12 @@ import optax
 from flax import struct
 from tqdm import tqdm
 
-from specroll_jax.config import ModelConfig
-from specroll_jax.decode import VanillaEngine
-from specroll_jax.heads import HeadsConfig, apply_heads, init_heads
-from specroll_jax.model import Transformer, padded_sequence_hidden
-from specroll_jax.rollout import Driver, RolloutConfig
-from specroll_jax.sampling import SamplerConfig
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import HeadsConfig, apply_heads, init_heads
+from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
 
 
 @struct.dataclass

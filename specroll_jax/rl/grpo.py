@@ -21,10 +21,10 @@ import numpy as np
 import optax
 from flax import struct
 
-from specroll_jax.config import ModelConfig
-from specroll_jax.distill import DistillBatch, top_targets
-from specroll_jax.model import Transformer, padded_sequence_hidden
-from specroll_jax.rollout import Response
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.adapt.distill import DistillBatch, top_targets
+from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.rollout.driver import Response
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specroll_jax import sampling
-from specroll_jax.tree import Tree
+from specroll_jax.rollout import sampling
+from specroll_jax.spec.tree import Tree
 
 
 @struct.dataclass

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax.kv_cache import KVCache, commit
-from specroll_jax.mesh import constrain_rows
-from specroll_jax.model import Transformer, causal_mask
-from specroll_jax.sequences import Sequences
+from specroll_jax.model.kv_cache import KVCache, commit
+from specroll_jax.model.mesh import constrain_rows
+from specroll_jax.model.transformer import Transformer, causal_mask
+from specroll_jax.rollout.sequences import Sequences
 
 FINISH_EOS = 'eos'
 FINISH_LENGTH = 'length'

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specroll_jax.rollout import pow2_at_least
+from specroll_jax.rollout.driver import pow2_at_least
 
 # Separates a child from a parent of equal score; far below any meaningful score gap.
 _DEPTH_TIE_BREAK = 1e-4

@@ -6,9 +6,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specroll_jax import checkpoint
-from specroll_jax.config import ModelConfig, load_config
-from specroll_jax.model import Transformer, causal_mask
+from specroll_jax.model import checkpoint
+from specroll_jax.model.config import ModelConfig, load_config
+from specroll_jax.model.transformer import Transformer, causal_mask
 
 
 @dataclasses.dataclass

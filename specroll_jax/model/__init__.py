@@ -1,0 +1,1 @@
+"""The policy itself: config, transformer, attention, KV cache and prefill, HF checkpoints, mesh."""

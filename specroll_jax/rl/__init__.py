@@ -1,0 +1,1 @@
+"""Reinforcement learning: GRPO, the training loop that drives rollouts and adaptation, reports."""
