@@ -34,10 +34,9 @@ def get_config(arg: str = 'qwen2.5-1.5b,gsm8k'):
   c.policy.checkpoint = f'/path/to/{model}'  # required: the user's HF directory
   c.policy.dtype = 'bfloat16'
   c.task.source, c.task.split = d['source'], ''
-  c.rollout.update(prompts_per_step=m['prompts_per_step'], group_size=8,
-                   max_new_tokens=d['max_new_tokens'], max_batch=m['max_batch'],
-                   temperature=1.0)
+  c.rollout.update(prompts_per_step=m['prompts_per_step'], max_new_tokens=d['max_new_tokens'],
+                   max_batch=m['max_batch'])
   c.heads.update(num_sequences=2048, held_out=128, steps=2000)
   c.grpo.update(learning_rate=1e-6, kl_coef=1e-3, clip_epsilon_high=d['clip_high'],
-                micro_batch_size=m['micro_batch_size'], loss_aggregation='token-mean')
+                micro_batch_size=m['micro_batch_size'])
   return c

@@ -8,6 +8,12 @@ SpecRoll rollouts (--config.rollout.engine=vanilla for the baseline).
 """
 import ml_collections
 
+from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.monitor import MonitorConfig
+from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.rl.grpo import GRPOConfig
+from specroll_jax.rl.sections import section
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -28,19 +34,10 @@ def get_config():
       num_heads=4, num_sequences=512, held_out=64, steps=600))
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
   c.adaptation = ml_collections.ConfigDict(dict(
-      mode='both', harvest_top_k=32,
-      reflex=dict(half_life=48.0, reliability_decay=0.95, gate_threshold=0.1, step_size=1.0,
-                  max_correction=0.5, dist_weight=1.0, coverage_weight=1.0),
-      slow_path=dict(drop=0.05, regret_z=2.5, patience=2, cooldown=3, calibration_windows=2,
-                     history=8, min_regret_scale=0.01, steps=40, batch_size=32,
-                     learning_rate=1e-3, ce_weight=1.0, prox_weight=1e-2,
-                     held_out_fraction=0.25)))
+      mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
+      monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig)))
   c.metrics = ml_collections.ConfigDict(dict(drift_kl=False))
-  c.grpo = ml_collections.ConfigDict(dict(
-      clip_epsilon_low=0.2, clip_epsilon_high=0.2, kl_coef=0.0,
-      loss_aggregation='token-mean', learning_rate=1e-4, weight_decay=0.0,
-      max_grad_norm=1.0, micro_batch_size=32,
-      # pi_old from the learner's forward: training then depends on the rollout's tokens
-      # only, so engines (and adaptation variants) train identically.
-      learner_old_logprobs=True))
+  # group_size and temperature are the rollout's; harvest_top_k follows adaptation.mode.
+  c.grpo = section(GRPOConfig, exclude=('group_size', 'temperature', 'harvest_top_k'),
+                   learning_rate=1e-4, micro_batch_size=32)
   return c

@@ -21,14 +21,15 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from specroll_jax.adapt import distill
 from specroll_jax import load_policy
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.factory import eos_ids, prior_acceptance, summarize, tree_config
-from specroll_jax.spec.heads import HeadsConfig, load_heads, save_heads
+from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.factory import eos_ids, head_proposer, make_engine, tree_config
+from specroll_jax.spec.head_proposer import HeadDraftConfig
+from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,20 +45,13 @@ def story_openings(policy, count, length, seed):
   return [[policy.config.bos_token_id] + s.token_ids for s in stories]
 
 
-def ensure_heads(policy, c):
-  """Loads the warm-started heads, training them by self-distillation when missing."""
-  if not (Path(c.heads_dir) / 'heads.safetensors').exists():
-    print(f'training heads into {c.heads_dir}', file=sys.stderr)
-    h = c.heads
-    heads_config = HeadsConfig(h.num_heads)
-    result = distill.warm_start(
-        policy, heads_config, distill.DistillConfig(steps=h.steps),
-        [[policy.config.bos_token_id]], num_sequences=h.num_sequences, held_out=h.held_out,
-        max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
-    save_heads(c.heads_dir, heads_config, result.params, {
-        'steps': h.steps, 'final_loss': result.loss,
-        'rank_hit_rate': result.rank_hit_rate_after.tolist()})
-  return load_heads(c.heads_dir, policy.config)
+def warm_started_heads(policy, c):
+  """The heads in c.heads_dir, self-distilled on the policy's own stories when missing."""
+  h = c.heads
+  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
+                   max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
+  return ensure_heads(policy, HeadsConfig(h.num_heads), DistillConfig(steps=h.steps),
+                      [[policy.config.bos_token_id]], plan, c.heads_dir, c.checkpoint)
 
 
 def timed(fn, repeats):
@@ -73,18 +67,22 @@ def compare(policy, heads_config, heads, prompts, c, tree, sampler):
   """One side-by-side run of the three engines on `prompts`."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=max(len(prompts), 1))
   vanilla = Driver(VanillaEngine(policy.config, sampler, eos_ids(policy)), rollout)
-  spec_engine = SpecEngine(policy.config, heads_config, tree, sampler, eos_ids(policy),
-                           prior_accept=prior_acceptance(c.heads_dir))
-  spec = Driver(spec_engine, rollout)
+  heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
+                                 HeadDraftConfig(tuple(c.branching)))
+  spec_engine = make_engine(policy, 'specroll', sampler, proposer=heads_proposer, tree=tree)
+  oracle_engine = make_engine(policy, 'specroll', sampler, proposer=OracleProposer(heads_proposer),
+                              tree=tree)
+  spec, oracle = Driver(spec_engine, rollout), Driver(oracle_engine, rollout)
   reference = vanilla.generate(policy.params, prompts, 1, c.seed)  # also compiles
   oracle_tokens = np.zeros((len(prompts), c.max_new_tokens), np.int32)
   for i, r in enumerate(reference):
     oracle_tokens[i, :len(r.token_ids)] = r.token_ids
-  spec_params = SpecParams(policy.params, heads)
-  oracle_params = SpecParams(policy.params, heads, jnp.asarray(oracle_tokens))
+  spec_params = spec_engine.params(policy.params, heads)
+  oracle_params = oracle_engine.params(policy.params,
+                                       OracleParams(heads, jnp.asarray(oracle_tokens)))
   runs = {'vanilla': lambda: vanilla.generate(policy.params, prompts, 1, c.seed),
           'specroll': lambda: spec.generate(spec_params, prompts, 1, c.seed),
-          'oracle': lambda: spec.generate(oracle_params, prompts, 1, c.seed)}
+          'oracle': lambda: oracle.generate(oracle_params, prompts, 1, c.seed)}
   for run in runs.values():
     run()  # compile every shape this workload reaches
   times = {name: [] for name in runs}
@@ -93,11 +91,12 @@ def compare(policy, heads_config, heads, prompts, c, tree, sampler):
     for name, run in runs.items():
       outputs[name], t = timed(run, 1)
       times[name] += t
+  engines = {'vanilla': vanilla.engine, 'specroll': spec_engine, 'oracle': oracle_engine}
   result = {}
   for name in runs:
     same = [a.token_ids == b.token_ids for a, b in zip(outputs[name], reference)]
     tokens_same = sum(len(a.token_ids) for a, s in zip(reference, same) if s)
-    result[name] = dict(summarize(outputs[name]), seconds=times[name],
+    result[name] = dict(engines[name].summarize(outputs[name]), seconds=times[name],
                         median_seconds=statistics.median(times[name]),
                         identical_fraction=tokens_same / sum(len(a.token_ids) for a in reference),
                         identical_responses=sum(same))
@@ -110,8 +109,8 @@ def main(argv):
   del argv
   c = _CONFIG.value
   policy = load_policy(c.checkpoint)
-  heads_config, heads = ensure_heads(policy, c)
-  tree = tree_config(policy, branching=c.branching, max_nodes=c.max_nodes,
+  heads_config, heads = warm_started_heads(policy, c)
+  tree = tree_config(policy, max_nodes=c.max_nodes,
                      capacity_tokens=c.capacity_tokens,
                      per_batch_capacity=c.capacity_per_batch)
   capacity = tree.capacity_by_batch or tree.capacity_tokens

@@ -19,9 +19,9 @@ import transformers
 from absl import app, flags
 
 from specroll_jax import load_policy
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
 from experiments.common import DEFAULT_CHECKPOINT
 
 flags.DEFINE_integer('num_prompts', 64, 'Prompts (one sample each) per generate call.')

@@ -5,9 +5,9 @@ from pathlib import Path
 
 from specroll_jax.rl.report import TIME_KEYS
 from specroll_jax.rl.trainer import METRICS_FILE, train
+from specroll_jax.tasks.paths import STORIES260K_DIR
 
-SHARED = Path(__file__).resolve().parents[2] / 'shared'
-DEFAULT_CHECKPOINT = SHARED / 'models' / 'stories260K'
+DEFAULT_CHECKPOINT = STORIES260K_DIR
 
 
 def read_prompts(path: Path) -> list[str]:

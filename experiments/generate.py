@@ -14,10 +14,12 @@ from tqdm import tqdm
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
 from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
-from specroll_jax.spec.factory import ENGINES, make_engine, summarize, tree_config
 from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
+from specroll_jax.spec.head_proposer import HeadDraftConfig
+from specroll_jax.spec.heads import load_heads
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -53,13 +55,18 @@ def main(argv):
   sampler = SamplerConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
   if mesh:
     policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
-  tree = None
+  proposer = tree = heads = None
   if FLAGS.engine == 'specroll':
-    tree = tree_config(policy, branching=[int(b) for b in FLAGS.branching],
-                       max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
+    if not FLAGS.heads:
+      sys.exit('error: --engine=specroll needs --heads (a directory from experiments.train_heads)')
+    heads_config, heads = load_heads(FLAGS.heads, policy.config)
+    proposer = head_proposer(policy, heads_config, FLAGS.heads, sampler,
+                             HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
+    tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
   rows = data_size(mesh) if mesh else 1
-  engine, params = make_engine(policy, FLAGS.engine, sampler, heads_dir=FLAGS.heads, tree=tree,
-                               mesh=mesh, tree_attention=FLAGS.tree_attention)
+  engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,
+                       tree_attention=FLAGS.tree_attention)
+  params = engine.params(policy.params, heads)
   driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch), data_size=rows)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)
@@ -70,7 +77,7 @@ def main(argv):
                             'logprobs': r.logprobs, 'finish_reason': r.finish_reason}
                            for r in responses))
   print(f'wrote {len(responses)} responses to {out}', file=sys.stderr)
-  print('stats ' + json.dumps({'engine': FLAGS.engine, **summarize(responses)}))
+  print('stats ' + json.dumps({'engine': FLAGS.engine, **engine.summarize(responses)}))
 
 
 if __name__ == '__main__':

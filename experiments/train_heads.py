@@ -12,9 +12,9 @@ from pathlib import Path
 from absl import app, flags
 
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts
-from specroll_jax.adapt import distill
 from specroll_jax import load_policy
-from specroll_jax.spec.heads import HeadsConfig, save_heads
+from specroll_jax.adapt import distill
+from specroll_jax.spec.heads import HeadsConfig
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('out', None, 'Directory to write the heads to.')
@@ -48,17 +48,13 @@ def main(argv):
   heads_config = HeadsConfig(FLAGS.num_heads, FLAGS.hidden_multiplier)
   config = distill.DistillConfig(batch_size=FLAGS.batch_size, steps=FLAGS.steps,
                                  learning_rate=FLAGS.learning_rate)
-  result = distill.warm_start(policy, heads_config, config, prompts,
-                              num_sequences=FLAGS.num_sequences, held_out=FLAGS.held_out,
-                              max_new_tokens=FLAGS.max_new_tokens,
-                              temperature=FLAGS.temperature, seed=FLAGS.seed)
+  plan = distill.WarmStart(num_sequences=FLAGS.num_sequences, held_out=FLAGS.held_out,
+                           max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                           seed=FLAGS.seed)
+  result = distill.warm_start_and_save(policy, heads_config, config, prompts, plan, FLAGS.out,
+                                       source=str(FLAGS.checkpoint))
   report('before', result.rank_hit_rate_before)
   report('after', result.rank_hit_rate_after)
-  save_heads(FLAGS.out, heads_config, result.params, metadata={
-      'checkpoint': str(FLAGS.checkpoint), 'num_sequences': FLAGS.num_sequences,
-      'max_new_tokens': FLAGS.max_new_tokens, 'temperature': FLAGS.temperature,
-      'steps': config.steps, 'final_loss': result.loss,
-      'rank_hit_rate': result.rank_hit_rate_after.tolist()})
   print(f'saved heads to {FLAGS.out}')
 
 

@@ -2,10 +2,9 @@
 import pytest
 
 from configs import bench_w2, paper, tiny_math
+from configs.tiny_math import get_config
+from specroll_jax.rl.trainer import check_config, train
 from specroll_jax.tasks.data import load_dataset
-from specroll_jax.adapt.reflex import ReflexConfig
-from specroll_jax.adapt.monitor import SlowPathConfig
-from specroll_jax.rl.trainer import ADAPTATION_MODES, grpo_config
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
@@ -15,14 +14,26 @@ PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 def test_training_configs_are_consistent(config):
   rows = config.rollout.prompts_per_step * config.rollout.group_size
   assert rows % config.grpo.micro_batch_size == 0
-  assert config.rollout.engine in ('vanilla', 'specroll')
   assert config.rollout.max_batch % 8 == 0
-  grpo_config(config, config.adaptation.harvest_top_k)  # validates clip ranges, lr, ...
-  assert config.adaptation.mode in ADAPTATION_MODES
-  ReflexConfig(**config.adaptation.reflex)
-  SlowPathConfig(**config.adaptation.slow_path)
+  check_config(config)  # every section builds its dataclass: clip ranges, lr, modes, ...
   if not config.task.source.startswith('synthetic:'):
     assert load_dataset(config.task.source).examples
+
+
+def test_bad_sections_fail_before_any_policy_is_loaded(tmp_path):
+  c = get_config()
+  c.policy.checkpoint = str(tmp_path / 'nowhere')  # loading it would fail differently
+  c.adaptation.mode = 'sometimes'
+  with pytest.raises(ValueError, match='adaptation.mode must be one of'):
+    train(c, tmp_path / 'run')
+  c = get_config()
+  c.adaptation.reflex.step_sise = 2.0
+  with pytest.raises(ValueError, match=r"adaptation.reflex: unknown field\(s\) \['step_sise'\]"):
+    check_config(c)
+  c = get_config()
+  c.grpo.clip_epsilon_low = 1.5
+  with pytest.raises(ValueError, match='clip_epsilon_low must be in'):
+    check_config(c)
 
 
 def test_paper_config_rejects_unknown_names():

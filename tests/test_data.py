@@ -4,8 +4,7 @@ import logging
 
 import pytest
 
-from specroll_jax.tasks import data
-from specroll_jax.tasks import rewards
+from specroll_jax.tasks import data, rewards
 
 # (name, split, rows in /work/shared/data/README.md, malformed rows among them)
 SHARED = [

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from specroll_jax.rollout.compilation import count_compilations
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.rollout.driver import FINISH_EOS, FINISH_LENGTH, Driver, RolloutConfig
+from specroll_jax.rollout.driver import Driver, FINISH_EOS, FINISH_LENGTH, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
 from tests.conftest import STORIES
 
 PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park to play', 'Hi']

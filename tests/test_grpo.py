@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.rl import grpo
 from specroll_jax.model.config import ModelConfig, RopeConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.model.transformer import Transformer, causal_mask
-from specroll_jax.rollout.driver import Driver, Response, RolloutConfig
+from specroll_jax.rl import grpo
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.response import Response
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
 
 TINY = ModelConfig(architecture='LlamaForCausalLM', vocab_size=64, hidden_size=32,
                    intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -164,6 +165,12 @@ def test_token_logprobs_equal_the_policy_logits(stories_policy):
     assert got[i, 0] == 0 and not got[i, n:].any()
 
 
+def _pack(prompts, responses, advantages, width):
+  return grpo.batch_from_rollouts([prompts[r.prompt_index] for r in responses],
+                                  [r.token_ids for r in responses],
+                                  [r.logprobs for r in responses], advantages, width)
+
+
 def test_packed_rollout_logprobs_are_what_the_learner_recomputes(stories_policy):
   policy = stories_policy
   prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The dog')]
@@ -171,7 +178,7 @@ def test_packed_rollout_logprobs_are_what_the_learner_recomputes(stories_policy)
   responses = Driver(engine, RolloutConfig(max_new_tokens=12, max_batch=4)).generate(
       policy.params, prompts, 2, seed=0)
   width = max(map(len, prompts)) + 12
-  batch = grpo.batch_from_responses(prompts, responses, [1.0, -1.0, 0.5, -0.5], width)
+  batch = _pack(prompts, responses, [1.0, -1.0, 0.5, -0.5], width)
   for i, r in enumerate(responses):
     start = len(prompts[r.prompt_index])
     row = np.asarray(batch.tokens[i])
@@ -186,10 +193,10 @@ def test_packed_rollout_logprobs_are_what_the_learner_recomputes(stories_policy)
   np.testing.assert_allclose(np.where(batch.response_mask, recomputed, 0), batch.old_logprobs,
                              atol=1e-4)
   with pytest.raises(ValueError, match='width is'):
-    grpo.batch_from_responses(prompts, responses, [0.0] * 4, width - 1)
+    _pack(prompts, responses, [0.0] * 4, width - 1)
   bad = [Response(0, 0, [5, 6], [-1.0], 'eos', 2)]
   with pytest.raises(ValueError, match='1 log-probs'):
-    grpo.batch_from_responses(prompts, bad, [0.0], width)
+    _pack(prompts, bad, [0.0], width)
 
 
 def _random_batch(params, width=10):
@@ -216,7 +223,7 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, tiny_params):
   params = tiny_params
   batch = _random_batch(params)
   config = grpo.GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1, micro_batch_size=2,
-                           learning_rate=1e-3)
+                           learning_rate=1e-3, learner_old_logprobs=False)
   full_grads, full_metrics = jax.jit(jax.grad(grpo.grpo_loss, argnums=2, has_aux=True),
                                      static_argnums=(0, 1))(TINY, config, params, batch)
   assert 0 < float(full_metrics['clip_fraction']) < 1
@@ -237,7 +244,7 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation, tiny_params):
 
 def test_train_step_raises_logprobs_of_positive_advantage_sequences(tiny_params):
   params = tiny_params
-  config = grpo.GRPOConfig(learning_rate=1e-2, micro_batch_size=2)
+  config = grpo.GRPOConfig(learning_rate=1e-2, micro_batch_size=2, learner_old_logprobs=False)
   batch = _random_batch(params)
   logp = grpo.token_logprobs(TINY, params, batch.tokens, 1.0)
   batch = batch.replace(old_logprobs=jnp.where(batch.response_mask, logp, 0.0),
@@ -261,7 +268,7 @@ def test_learner_old_logprobs_ignore_the_rollout_logprobs(tiny_params):
   exact = batch.replace(old_logprobs=jnp.where(
       batch.response_mask, grpo.token_logprobs(TINY, params, batch.tokens, 1.0), 0.0))
   grad = jax.jit(grpo.accumulated_gradients, static_argnums=(0, 1))
-  config = grpo.GRPOConfig(micro_batch_size=4, kl_coef=0.1)
+  config = grpo.GRPOConfig(micro_batch_size=4, kl_coef=0.1, learner_old_logprobs=False)
   reference, _, _ = grad(TINY, config, params, exact)
   learner = dataclasses.replace(config, learner_old_logprobs=True)
   grads, metrics, _ = grad(TINY, learner, params, batch)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from specroll_jax.adapt import distill
-from specroll_jax.spec.heads import HeadsConfig, apply_heads, init_heads, load_heads, save_heads
+from specroll_jax.spec.heads import (HeadsConfig, HeadsMetadata, apply_heads, heads_metadata,
+                                     init_heads, load_heads, save_heads)
 
 
 def test_fresh_heads_propose_the_next_token_distribution(stories_policy):
@@ -20,9 +21,12 @@ def test_fresh_heads_propose_the_next_token_distribution(stories_policy):
 def test_save_load_round_trip_and_errors(tmp_path, stories_policy):
   config = HeadsConfig(num_heads=2, hidden_multiplier=0.5)
   params = init_heads(config, stories_policy.config, seed=3)
-  save_heads(tmp_path / 'h', config, params, {'note': 'test'})
+  metadata = HeadsMetadata(source='test', num_sequences=4, max_new_tokens=8, temperature=1.0,
+                           steps=2, final_loss=1.5, rank_hit_rate=[[0.5, 0.25]])
+  save_heads(tmp_path / 'h', config, params, metadata)
   loaded_config, loaded = load_heads(tmp_path / 'h', stories_policy.config)
   assert loaded_config == config
+  assert heads_metadata(tmp_path / 'h') == metadata
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
   with pytest.raises(FileNotFoundError, match='heads_config.json'):
     load_heads(tmp_path / 'missing', stories_policy.config)

@@ -2,10 +2,10 @@
 import jax
 import pytest
 
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
 
 PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park', 'Hi', 'Sue']
 

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.adapt import distill
+from specroll_jax.adapt import consolidation, distill, monitor
+from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.monitor import MonitorConfig, MonitorState, WindowStats
 from specroll_jax.rl import grpo
-from specroll_jax.adapt import monitor as slow_path
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.adapt.monitor import MonitorState, SlowPathConfig, WindowStats
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import HeadsConfig, init_heads
 
 HEADS = 3
 
@@ -27,7 +27,7 @@ def _feed(config, windows):
   state = MonitorState.init(config, HEADS)
   triggers = []
   for window in windows:
-    state, triggered = slow_path.observe(config, state, window)
+    state, triggered = monitor.observe(config, state, window)
     triggers.append(bool(triggered[0]))
   return state, triggers
 
@@ -37,34 +37,34 @@ def _healthy(i, proposed=(True,) * HEADS):
 
 
 def test_no_trigger_on_a_transient_dip():
-  config = SlowPathConfig()
+  config = MonitorConfig()
   windows = [_healthy(i) for i in range(6)] + [_window(0.40, 0.62)] + [_healthy(i) for i in range(6)]
   _, triggers = _feed(config, windows)
   assert not any(triggers)
 
 
 def test_trigger_on_a_sustained_dip_then_cooldown():
-  config = SlowPathConfig(patience=2, cooldown=3)
+  config = MonitorConfig(patience=2, cooldown=3)
   windows = [_healthy(i) for i in range(6)] + [_window(0.40, 0.62)] * 3
   state, triggers = _feed(config, windows)
   assert triggers == [False] * 7 + [True, True]
-  state = slow_path.after_update(config, state, np.ones(HEADS, bool), np.ones(HEADS, bool))
+  state = monitor.after_update(config, state, np.ones(HEADS, bool), np.ones(HEADS, bool))
   assert state.updates.tolist() == [1] * HEADS
   # Recalibrating, then cooling down: still degraded, but no trigger for `cooldown` windows.
   triggers = []
   for _ in range(config.calibration_windows + config.cooldown):
-    state, triggered = slow_path.observe(config, state, _window(0.40, 0.62))
+    state, triggered = monitor.observe(config, state, _window(0.40, 0.62))
     triggers.append(bool(triggered.any()))
   assert not any(triggers)
 
 
 def test_inactive_heads_neither_calibrate_nor_trigger():
-  config = SlowPathConfig(patience=1)
+  config = MonitorConfig(patience=1)
   state = MonitorState.init(config, HEADS)
   active = (True, False, True)
   for i in range(4):
-    state, _ = slow_path.observe(config, state, _healthy(i, active))
-  state, triggered = slow_path.observe(config, state, _window(0.1, 0.9, active))
+    state, _ = monitor.observe(config, state, _healthy(i, active))
+  state, triggered = monitor.observe(config, state, _window(0.1, 0.9, active))
   assert triggered.tolist() == [True, False, True]
   assert int(state.calibrating[1]) == config.calibration_windows
 
@@ -121,9 +121,9 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
   before = jax.tree.map(np.array, policy.params)
-  config = SlowPathConfig(steps=30, batch_size=8, learning_rate=3e-3)
-  result = slow_path.consolidate(heads_config, policy.config, config, heads, policy.params,
-                                 pairs, np.array([False, True, False]), seed=0)
+  config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
+                                     pairs, np.array([False, True, False]), seed=0)
   for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(policy.params)):
     np.testing.assert_array_equal(old, new)
   assert result.kept.tolist() == [False, True, False], (result.kl_before, result.kl_after)
@@ -137,9 +137,9 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
 def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
-  config = SlowPathConfig(steps=5, batch_size=8, learning_rate=30.0)
-  result = slow_path.consolidate(heads_config, policy.config, config, heads, policy.params,
-                                 pairs, np.ones(HEADS, bool), seed=0)
+  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=30.0)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
+                                     pairs, np.ones(HEADS, bool), seed=0)
   assert (result.kl_after > result.kl_before).all(), (result.kl_before, result.kl_after)
   assert not result.kept.any()
   for name in heads:

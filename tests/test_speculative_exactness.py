@@ -4,9 +4,10 @@ Greedy: identical tokens, always. Sampling with the same seed: identical tokens;
 mismatch may only come from a float near-tie between differently shaped forwards, bounded
 at 0.1% of tokens (counting every token after a response's first divergence). Heads range from fresh to random to deliberately bad, and the oracle
 proposer (true future tokens) drives deep acceptances through EOS and length cut-offs.
-Every test runs twice: with static heads, and with adaptation on (Reflex correcting the
-proposals inside the rollout, its gate forced open, on heads the slow path has just
-updated): adaptation may change what is proposed, never what is emitted.
+Every test runs twice: with the static head proposer, and with adaptation on (the Reflex
+proposer correcting the proposals inside the rollout, its gate forced open, on heads the
+slow path has just updated): adaptation may change what is proposed, never what is
+emitted. The oracle proposer wraps whichever of the two the test runs with.
 """
 import jax
 import jax.numpy as jnp
@@ -14,16 +15,19 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from specroll_jax.adapt import distill
 from specroll_jax import load_policy
-from specroll_jax.adapt import monitor as slow_path
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.adapt import consolidation, distill
+from specroll_jax.adapt.consolidation import ConsolidationConfig
 from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.adapt.reflex_proposer import ReflexProposer
+from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.adapt.monitor import SlowPathConfig
-from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
 from specroll_jax.spec.tree import TreeConfig
 from tests.tiny_models import make_checkpoint
 
@@ -54,9 +58,10 @@ def _slow_path_update(policy, params):
   rng = np.random.default_rng(0)
   sequences = [list(rng.integers(1, policy.config.vocab_size, 24)) for _ in range(8)]
   pairs = distill.build_batch(policy.config, policy.params, sequences, 24, 8)
-  return slow_path.consolidate(HEADS, policy.config, SlowPathConfig(steps=3, batch_size=4),
-                               params, policy.params, pairs, np.ones(4, bool), seed=0,
-                               rollback=False).params
+  return consolidation.consolidate(HEADS, policy.config,
+                                   ConsolidationConfig(steps=3, batch_size=4), params,
+                                   policy.params, pairs, np.ones(4, bool), seed=0,
+                                   rollback=False).params
 
 
 def _heads(policy, kind: str):
@@ -68,24 +73,31 @@ def _heads(policy, kind: str):
   return _slow_path_update(policy, params) if ADAPTIVE else params
 
 
-def _engine(policy, tree, sampler, eos, **kwargs):
-  return SpecEngine(policy.config, HEADS, tree, sampler, eos,
-                    reflex=OPEN_REFLEX if ADAPTIVE else None, **kwargs)
+def _proposer(policy, sampler, branching, oracle=False):
+  proposer = HeadProposer(policy.config, HEADS, HeadDraftConfig(branching), sampler)
+  if ADAPTIVE:
+    proposer = ReflexProposer(proposer, OPEN_REFLEX)
+  return OracleProposer(proposer) if oracle else proposer
+
+
+def _engine(policy, tree, sampler, eos, branching=(8, 4, 2, 2), oracle=False, **kwargs):
+  return SpecEngine(policy.config, _proposer(policy, sampler, branching, oracle), tree, sampler,
+                    eos, **kwargs)
 
 
 def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_batch, eos,
-              oracle=False, seed=0):
+              oracle=False, seed=0, branching=(8, 4, 2, 2)):
   config = RolloutConfig(max_new_tokens=max_new, max_batch=max_batch)
   vanilla = Driver(VanillaEngine(policy.config, sampler, eos), config).generate(
       policy.params, prompts, num_samples, seed)
-  oracle_tokens = None
+  proposer_params = heads
   if oracle:
-    oracle_tokens = np.zeros((len(vanilla), max_new), np.int32)
+    future = np.zeros((len(vanilla), max_new), np.int32)
     for i, r in enumerate(vanilla):
-      oracle_tokens[i, :len(r.token_ids)] = r.token_ids
-    oracle_tokens = jnp.asarray(oracle_tokens)
-  engine = _engine(policy, tree, sampler, eos)
-  spec = Driver(engine, config).generate(SpecParams(policy.params, heads, oracle_tokens),
+      future[i, :len(r.token_ids)] = r.token_ids
+    proposer_params = OracleParams(heads, jnp.asarray(future))
+  engine = _engine(policy, tree, sampler, eos, branching, oracle)
+  spec = Driver(engine, config).generate(engine.params(policy.params, proposer_params),
                                          prompts, num_samples, seed)
   return vanilla, spec
 
@@ -130,8 +142,9 @@ def test_greedy_oracle_accepts_deep_paths_through_eos_and_length(stories_policy)
   policy = stories_policy
   # 267 ('.') ends many sentences: as EOS it cuts responses inside accepted paths.
   vanilla, spec = _run_both(policy, SamplerConfig(temperature=0.0), _heads(policy, 'fresh'),
-                            TreeConfig(capacity_tokens=64, max_nodes=16, branching=(2, 2, 2, 2)),
-                            _encode(policy), 2, 30, 8, (267,), oracle=True)
+                            TreeConfig(capacity_tokens=64, max_nodes=16),
+                            _encode(policy), 2, 30, 8, (267,), oracle=True,
+                            branching=(2, 2, 2, 2))
   tau = _check(vanilla, spec, greedy=True)
   assert {v.finish_reason for v in vanilla} == {'eos', 'length'}
   assert tau > 3.0, f'oracle proposals should be accepted almost always (tau={tau:.2f})'
@@ -148,9 +161,9 @@ def test_budget_one_is_plain_decoding_on_random_policy(peaked_qwen):
 def test_greedy_identical_on_random_policy_with_random_heads(peaked_qwen):
   vanilla, spec = _run_both(peaked_qwen, SamplerConfig(temperature=0.0),
                             _heads(peaked_qwen, 'random'),
-                            TreeConfig(capacity_tokens=32, max_nodes=32, branching=(4, 2, 2)),
+                            TreeConfig(capacity_tokens=32, max_nodes=32),
                             [[1, 5, 9], [1, 300, 301, 302, 303, 304, 305, 306, 307], [1]], 2,
-                            30, 4, (7,), oracle=True)
+                            30, 4, (7,), oracle=True, branching=(4, 2, 2))
   _check(vanilla, spec, greedy=True)
 
 
@@ -175,7 +188,7 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
   vanilla = Driver(VanillaEngine(policy.config, sampler, ()), config).generate(
       policy.params, prompt, samples, seed=2)
   engine = _engine(policy, TreeConfig(capacity_tokens=1024, max_nodes=8), sampler, ())
-  spec = Driver(engine, config).generate(SpecParams(policy.params, _heads(policy, 'fresh')),
+  spec = Driver(engine, config).generate(engine.params(policy.params, _heads(policy, 'fresh')),
                                          prompt, samples, seed=1)
   for position in range(positions):
     a = np.bincount([r.token_ids[position] for r in vanilla], minlength=512)
@@ -191,12 +204,11 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
 
 
 def test_no_recompilation_in_steady_state(stories_policy):
-  from specroll_jax.rollout.compilation import count_compilations
   policy = stories_policy
   sampler = SamplerConfig(temperature=1.0)
   engine = _engine(policy, TreeConfig(capacity_tokens=32, max_nodes=16), sampler, (2,))
   driver = Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=8))
-  params = SpecParams(policy.params, _heads(policy, 'random'))
+  params = engine.params(policy.params, _heads(policy, 'random'))
   for seed in range(3):  # visit every batch bucket (rows finish at data-dependent steps)
     driver.generate(params, _encode(policy), 3, seed=seed)
   other = [policy.tokenizer.encode(t) for t in ('A dog', 'The sun was hot', 'Tim', 'Sue ran')]
@@ -215,6 +227,6 @@ def test_pallas_tree_attention_engine_matches_vanilla(stories_policy):
       policy.params, prompts, 1, 0)
   engine = _engine(policy, TreeConfig(capacity_tokens=16, max_nodes=8), sampler, (2,),
                    tree_attention='pallas')
-  spec = Driver(engine, config).generate(SpecParams(policy.params, _heads(policy, 'fresh')),
+  spec = Driver(engine, config).generate(engine.params(policy.params, _heads(policy, 'fresh')),
                                          prompts, 1, 0)
   _check(vanilla, spec, greedy=True)

@@ -8,7 +8,7 @@ import pytest
 from specroll_jax import load_policy
 from specroll_jax.tasks import rewards
 from specroll_jax.tasks.default_policy import ensure_default_policy
-from specroll_jax.tasks.pretrain import REPORT_FILE, PretrainConfig, pretrain
+from specroll_jax.tasks.pretrain import PretrainConfig, REPORT_FILE, pretrain
 from specroll_jax.tasks.synthetic_math import make_problems
 
 _LINE = re.compile(r'(\d+) ([-+*/]) (\d+) = (\d+)')

@@ -46,10 +46,10 @@ def _final_params(workdir):
 
 # Forces the slow path to consolidate on every window after the first, so Reflex and head
 # updates both run inside the compared training.
-ALWAYS_TRIGGER = {'adaptation.slow_path.drop': -1.0, 'adaptation.slow_path.regret_z': -1e9,
-                  'adaptation.slow_path.patience': 1, 'adaptation.slow_path.cooldown': 0,
-                  'adaptation.slow_path.calibration_windows': 1,
-                  'adaptation.slow_path.steps': 3, 'adaptation.slow_path.batch_size': 4,
+ALWAYS_TRIGGER = {'adaptation.monitor.drop': -1.0, 'adaptation.monitor.regret_z': -1e9,
+                  'adaptation.monitor.patience': 1, 'adaptation.monitor.cooldown': 0,
+                  'adaptation.monitor.calibration_windows': 1,
+                  'adaptation.consolidation.steps': 3, 'adaptation.consolidation.batch_size': 4,
                   'adaptation.reflex.gate_threshold': -1.0}
 
 

@@ -5,7 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.spec.tree import TreeConfig, build_tree, edge_scores
+from specroll_jax.spec.head_proposer import CandidateTable
+from specroll_jax.spec.proposer import Candidates
+from specroll_jax.spec.tree import TreeConfig, build_tree
+
+
+def _rank_path_candidates(branching, tokens, scores):
+  """Head-style candidates: every rank path, the edge into depth d scored by (d, rank)."""
+  table = CandidateTable.build(branching)
+  depth, rank = table.depth - 1, table.rank
+  return table, Candidates(parent=jnp.asarray(table.parent)[None], tokens=tokens[:, depth, rank],
+                           scores=scores[:, depth, rank])
 
 
 def test_budget_follows_concurrency():
@@ -38,16 +48,17 @@ def _brute_force_best(scores, branching, budget):
 
 @pytest.mark.parametrize('seed', range(4))
 def test_tree_is_prefix_closed_and_optimal(seed):
-  config = TreeConfig(branching=(3, 2, 2), max_nodes=8, capacity_tokens=8)
   rng = np.random.default_rng(seed)
   probs = -np.sort(-rng.dirichlet(np.ones(4), size=(1, 3)), axis=-1)[..., :3].astype(np.float32)
   rates = rng.uniform(0, 1, size=(1, 3, 3)).astype(np.float32)
   tokens = jnp.asarray(rng.integers(10, 500, size=(1, 3, 3)), jnp.int32)
-  scores = np.asarray(edge_scores(probs, rates, config))
+  scores = 0.5 * probs + 0.5 * rates  # the head proposer's blend at head_weight 0.5
+  table, candidates = _rank_path_candidates((3, 2, 2), tokens, jnp.asarray(scores))
   for budget in (1, 3, 6):
-    tree = build_tree(jnp.array([7]), tokens, jnp.asarray(scores), jnp.array([budget]), 8, config)
+    tree = build_tree(jnp.array([7]), candidates, jnp.array([budget]), 8, max_depth=3)
     valid = np.asarray(tree.valid[0])
-    parents, depths, ranks = (np.asarray(x[0]) for x in (tree.parents, tree.depths, tree.ranks))
+    parents, depths = np.asarray(tree.parents[0]), np.asarray(tree.depths[0])
+    ranks = np.where(np.asarray(tree.candidate[0]) >= 0, table.rank[tree.candidate[0]], 0)
     assert valid.sum() == budget and tree.tokens[0, 0] == 7
     rank_path = {0: ()}
     total = 0.0
@@ -62,10 +73,10 @@ def test_tree_is_prefix_closed_and_optimal(seed):
 
 
 def test_ancestor_mask():
-  config = TreeConfig(branching=(2, 2), max_nodes=5, capacity_tokens=5)
   scores = jnp.array([[[0.9, 0.5], [0.8, 0.1]]])
   tokens = jnp.array([[[11, 12], [21, 22]]])
-  tree = build_tree(jnp.array([1]), tokens, scores, jnp.array([5]), 5, config)
+  _, candidates = _rank_path_candidates((2, 2), tokens, scores)
+  tree = build_tree(jnp.array([1]), candidates, jnp.array([5]), 5, max_depth=2)
   mask = np.asarray(tree.ancestor_mask(2)[0])
   for n in range(5):
     expected = {n}
@@ -74,3 +85,19 @@ def test_ancestor_mask():
       node = int(tree.parents[0, node])
       expected.add(node)
     assert set(np.flatnonzero(mask[n])) == expected
+
+
+def test_a_chain_merged_with_head_candidates_shares_the_budget():
+  """A proposer's chain (a suffix match, the oracle) and per-depth head candidates in one
+  tree: the best paths from either source, still prefix-closed."""
+  scores = jnp.array([[[0.6, 0.3], [0.5, 0.4]]])
+  tokens = jnp.array([[[11, 12], [21, 22]]])
+  _, heads = _rank_path_candidates((2, 2), tokens, scores)
+  chain = Candidates(parent=jnp.array([[-1, 0, 1]]), tokens=jnp.array([[31, 32, 33]]),
+                     scores=jnp.array([[0.9, 0.9, 0.9]]))
+  tree = build_tree(jnp.array([1]), chain.concat(heads), jnp.array([5]), 5, max_depth=3)
+  # Path scores: chain 0.9, 0.81, 0.729 beat every head path (best 0.6, then 0.3).
+  assert np.asarray(tree.tokens[0]).tolist() == [1, 31, 32, 33, 11]
+  assert np.asarray(tree.parents[0]).tolist() == [0, 0, 1, 2, 0]
+  assert np.asarray(tree.depths[0]).tolist() == [0, 1, 2, 3, 1]
+  assert np.asarray(tree.candidate[0]).tolist() == [-1, 0, 1, 2, 3]

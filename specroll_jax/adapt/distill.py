@@ -14,24 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from tqdm import tqdm
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.heads import HeadsConfig, apply_heads, init_heads
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-
-
-@struct.dataclass
-class DistillBatch:
-  hidden: jax.Array       # [B, T, D] policy hidden states
-  target_ids: jax.Array   # int32 [B, T, K] policy's top-K next-token ids at each position
-  target_logp: jax.Array  # float32 [B, T, K] their log-probs (renormalised over the K)
-  tokens: jax.Array       # int32 [B, T] the sequence itself
-  valid: jax.Array        # bool [B, T] position t holds a real token
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
+                                     init_heads, load_heads, save_heads)
+from specroll_jax.spec.pairs import HeadPairs, top_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +37,6 @@ class DistillConfig:
   steps: int = 600
 
 
-def top_targets(logits, top_k: int):
-  """The policy's top-K next-token ids and their log-probs renormalised over the K."""
-  logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
-  return ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
-
-
 @partial(jax.jit, static_argnums=(0, 3))
 def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
   """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
@@ -61,7 +47,7 @@ def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
 
 
 def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,
-                top_k: int) -> DistillBatch:
+                top_k: int) -> HeadPairs:
   """Pads token sequences to `width` (-1 = padding) and runs the policy over them."""
   tokens = np.full((len(sequences), width), -1, np.int32)
   for i, seq in enumerate(sequences):
@@ -69,12 +55,12 @@ def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], w
     tokens[i, :len(seq)] = seq
   tokens = jnp.asarray(tokens)
   hidden, ids, logp = policy_targets(model_config, params, tokens, top_k)
-  return DistillBatch(hidden=hidden, target_ids=ids, target_logp=logp,
+  return HeadPairs(hidden=hidden, target_ids=ids, target_logp=logp,
                       tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
 
 
 def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, config: DistillConfig,
-                head_params, policy_params, batch: DistillBatch):
+                head_params, policy_params, batch: HeadPairs):
   """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)  # [B, T, H, D]
   logits = Transformer(model_config).apply({'params': policy_params}, z,
@@ -99,7 +85,7 @@ def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, config: Di
 
 
 def distill_loss(heads_config, model_config, config: DistillConfig, head_params, policy_params,
-                 batch: DistillBatch):
+                 batch: HeadPairs):
   kl, ce, count = head_losses(heads_config, model_config, config, head_params, policy_params,
                               batch)
   weights = config.head_decay ** jnp.arange(1, heads_config.num_heads + 1)
@@ -114,7 +100,7 @@ def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def train_step(heads_config, model_config, config: DistillConfig, optimizer, head_params,
-               opt_state, policy_params, batch: DistillBatch):
+               opt_state, policy_params, batch: HeadPairs):
   loss, grads = jax.value_and_grad(
       lambda hp: distill_loss(heads_config, model_config, config, hp, policy_params, batch))(
           head_params)
@@ -124,7 +110,7 @@ def train_step(heads_config, model_config, config: DistillConfig, optimizer, hea
 
 @partial(jax.jit, static_argnums=(0, 1, 4))
 def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params, policy_params,
-              ranks: int, batch: DistillBatch):
+              ranks: int, batch: HeadPairs):
   """Per head and rank r < `ranks`: how often the realised x_{t+k+1} is head k's rank-r token.
 
   Returns (hits [H, ranks], count [H]); hits[:, 0] / count is top-1 agreement, and the rates
@@ -146,14 +132,14 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
 
 
 def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_k: int,
-                  chunk: int = 64) -> DistillBatch:
+                  chunk: int = 64) -> HeadPairs:
   """build_batch over chunks of sequences (bounded memory), concatenated on the host."""
   chunks = [build_batch(model_config, params, sequences[i:i + chunk], width, top_k)
             for i in range(0, len(sequences), chunk)]
   return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
 
 
-def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: DistillBatch,
+def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: HeadPairs,
                 seed: int = 0, init_params=None):
   """Optax training of the head pytree alone; returns (head params, last loss)."""
   params = init_params if init_params is not None else init_heads(heads_config, policy.config,
@@ -174,6 +160,16 @@ def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train:
 
 
 @dataclasses.dataclass(frozen=True)
+class WarmStart:
+  """Which of the policy's own generations the heads are self-distilled on."""
+  num_sequences: int = 512   # training generations
+  held_out: int = 64         # held-out generations for the hit-rate report
+  max_new_tokens: int = 256  # tokens per generation
+  temperature: float = 1.0   # sampling temperature of the generations
+  seed: int = 0              # generation, initialisation and batching
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmStartResult:
   params: dict
   loss: float
@@ -181,22 +177,21 @@ class WarmStartResult:
   rank_hit_rate_after: np.ndarray
 
 
-def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts, *,
-               num_sequences: int, held_out: int, max_new_tokens: int, temperature: float,
-               seed: int, report_ranks: int = 8) -> WarmStartResult:
+def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
+               plan: WarmStart, report_ranks: int = 8) -> WarmStartResult:
   """Samples the policy's own generations and self-distils fresh heads on them."""
-  total = num_sequences + held_out
+  total = plan.num_sequences + plan.held_out
   prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
   eos = () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=temperature), eos)
-  driver = Driver(engine, RolloutConfig(max_new_tokens, max_batch=64))
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=plan.temperature), eos)
+  driver = Driver(engine, RolloutConfig(plan.max_new_tokens, max_batch=64))
   with tqdm(total=total, desc='generating', file=sys.stderr) as bar:
-    responses = driver.generate(policy.params, prompt_rows, 1, seed, progress=bar)
+    responses = driver.generate(policy.params, prompt_rows, 1, plan.seed, progress=bar)
   sequences = [prompt_rows[r.prompt_index] + r.token_ids for r in responses]
-  width = max(len(p) for p in prompt_rows) + max_new_tokens
-  train = stack_batches(policy.config, policy.params, sequences[:num_sequences], width,
+  width = max(len(p) for p in prompt_rows) + plan.max_new_tokens
+  train = stack_batches(policy.config, policy.params, sequences[:plan.num_sequences], width,
                         config.target_top_k)
-  held = build_batch(policy.config, policy.params, sequences[num_sequences:], width,
+  held = build_batch(policy.config, policy.params, sequences[plan.num_sequences:], width,
                      config.target_top_k)
 
   def rates(params):
@@ -204,6 +199,27 @@ def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts
                              held)
     return np.asarray(hits) / np.maximum(np.asarray(counts), 1)[:, None]
 
-  before = rates(init_heads(heads_config, policy.config, seed))
-  params, loss = train_heads(policy, heads_config, config, train, seed)
+  before = rates(init_heads(heads_config, policy.config, plan.seed))
+  params, loss = train_heads(policy, heads_config, config, train, plan.seed)
   return WarmStartResult(params, loss, before, rates(params))
+
+
+def warm_start_and_save(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
+                        plan: WarmStart, directory, source: str) -> WarmStartResult:
+  """`warm_start`, then the heads and how they were made (HeadsMetadata) into `directory`;
+  `source` names the policy they were trained on."""
+  result = warm_start(policy, heads_config, config, prompts, plan)
+  save_heads(directory, heads_config, result.params, HeadsMetadata(
+      source=source, num_sequences=plan.num_sequences, max_new_tokens=plan.max_new_tokens,
+      temperature=plan.temperature, steps=config.steps, final_loss=result.loss,
+      rank_hit_rate=result.rank_hit_rate_after.tolist()))
+  return result
+
+
+def ensure_heads(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
+                 plan: WarmStart, directory, source: str) -> tuple[HeadsConfig, dict]:
+  """The heads saved in `directory`, warm-started there first when it holds none."""
+  if not has_heads(directory):
+    print(f'warm-starting heads into {directory}', file=sys.stderr)
+    warm_start_and_save(policy, heads_config, config, prompts, plan, directory, source)
+  return load_heads(directory, policy.config)

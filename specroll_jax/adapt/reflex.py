@@ -59,6 +59,17 @@ class ReflexConfig:
 
 
 @struct.dataclass
+class ReflexTrace:
+  """What Reflex did for each row (instrumentation, Response.stats); never read back."""
+  alignment: jax.Array       # float32 [B, H] sum of delayed alignments cos(m_then, r)
+  dist_error: jax.Array      # float32 [B, H] sum of sum_{v in C} |p(v) - q(v)|
+  coverage_error: jax.Array  # float32 [B, H] sum of p mass outside C
+  gate: jax.Array            # float32 [B, S, H] gate per engine step (S = max new tokens)
+  reliability: jax.Array     # float32 [B, S, H] rho_k per engine step
+  correction: jax.Array      # float32 [B, S, H] ||correction|| / ||h_t|| per engine step
+
+
+@struct.dataclass
 class ReflexState:
   memory: jax.Array            # float32 [B, H, D] m_k, average of unit feedbacks (norm <= 1)
   reliability: jax.Array       # float32 [B, H] rho_k
@@ -67,12 +78,7 @@ class ReflexState:
   pending_memory: jax.Array    # float32 [B, H(slot), H, D] m_k when the proposal was made
   pending_position: jax.Array  # int32 [B, H(slot), H] target position; -1 = empty slot
   matured: jax.Array           # float32 [B, H] feedbacks received
-  alignment: jax.Array         # float32 [B, H] sum of delayed alignments cos(m_then, r)
-  dist_error: jax.Array        # float32 [B, H] sum of sum_{v in C} |p(v) - q(v)|
-  coverage_error: jax.Array    # float32 [B, H] sum of p mass outside C
-  gate_trace: jax.Array        # float32 [B, S, H] gate per engine step (S = max new tokens)
-  reliability_trace: jax.Array  # float32 [B, S, H] rho_k per engine step
-  correction_trace: jax.Array  # float32 [B, S, H] ||correction|| / ||h_t|| per engine step
+  trace: ReflexTrace
 
   @classmethod
   def init(cls, batch: int, heads: int, dim: int, candidates: int, max_steps: int):
@@ -84,11 +90,12 @@ class ReflexState:
         pending_logq=zeros(batch, heads, heads, m),
         pending_memory=zeros(batch, heads, heads, dim),
         pending_position=jnp.full((batch, heads, heads), -1, jnp.int32),
-        matured=zeros(batch, heads), alignment=zeros(batch, heads),
-        dist_error=zeros(batch, heads), coverage_error=zeros(batch, heads),
-        gate_trace=zeros(batch, max_steps, heads),
-        reliability_trace=zeros(batch, max_steps, heads),
-        correction_trace=zeros(batch, max_steps, heads))
+        matured=zeros(batch, heads),
+        trace=ReflexTrace(alignment=zeros(batch, heads), dist_error=zeros(batch, heads),
+                          coverage_error=zeros(batch, heads),
+                          gate=zeros(batch, max_steps, heads),
+                          reliability=zeros(batch, max_steps, heads),
+                          correction=zeros(batch, max_steps, heads)))
 
 
 def gate(config: ReflexConfig, reliability):
@@ -125,11 +132,12 @@ def correction(config: ReflexConfig, state: ReflexState, hidden):
 def record_trace(state: ReflexState, step_index, running, g, relative_norm) -> ReflexState:
   """Writes this step's gate, reliability and correction size at each running row's step."""
   rows = jnp.arange(step_index.shape[0])
-  index = jnp.where(running, step_index, state.gate_trace.shape[1])  # out of range: dropped
-  put = lambda trace, value: trace.at[rows, index].set(value, mode='drop')
-  return state.replace(gate_trace=put(state.gate_trace, g),
-                       reliability_trace=put(state.reliability_trace, state.reliability),
-                       correction_trace=put(state.correction_trace, relative_norm))
+  trace = state.trace
+  index = jnp.where(running, step_index, trace.gate.shape[1])  # out of range: dropped
+  put = lambda buffer, value: buffer.at[rows, index].set(value, mode='drop')
+  return state.replace(trace=trace.replace(
+      gate=put(trace.gate, g), reliability=put(trace.reliability, state.reliability),
+      correction=put(trace.correction, relative_norm)))
 
 
 def record_proposals(state: ReflexState, ids, logq, root_positions, proposed) -> ReflexState:
@@ -206,20 +214,15 @@ def mature(config: ReflexConfig, state: ReflexState, target_ids, target_probs, r
                             state.reliability)
     finite = jnp.all(jnp.isfinite(memory), axis=-1) & jnp.isfinite(reliability)
     live_f = live.astype(jnp.float32)
+    trace = state.trace
     state = state.replace(
         memory=jnp.where(finite[..., None], memory, 0.0),
         reliability=jnp.where(finite, reliability, 0.0),
         pending_position=state.pending_position.at[rows, slot].set(
             jnp.where(live, -1, state.pending_position[rows, slot])),
         matured=state.matured + live_f,
-        alignment=state.alignment + live_f * jnp.nan_to_num(alignment),
-        dist_error=state.dist_error + live_f * jnp.nan_to_num(dist_err),
-        coverage_error=state.coverage_error + live_f * jnp.nan_to_num(cov_err))
+        trace=trace.replace(
+            alignment=trace.alignment + live_f * jnp.nan_to_num(alignment),
+            dist_error=trace.dist_error + live_f * jnp.nan_to_num(dist_err),
+            coverage_error=trace.coverage_error + live_f * jnp.nan_to_num(cov_err)))
   return state
-
-
-def row_stats(state: ReflexState) -> dict:
-  return {'reflex_matured': state.matured, 'reflex_alignment': state.alignment,
-          'reflex_dist_error': state.dist_error, 'reflex_coverage_error': state.coverage_error,
-          'reflex_gate': state.gate_trace, 'reflex_reliability': state.reliability_trace,
-          'reflex_correction': state.correction_trace}

@@ -21,6 +21,10 @@ class KVCache:
   def max_length(self) -> int:
     return self.k.shape[3]
 
+  def take(self, rows: jax.Array) -> 'KVCache':
+    """The cache of batch rows `rows` (the batch is axis 1 of k and v, axis 0 of lengths)."""
+    return KVCache(k=self.k[:, rows], v=self.v[:, rows], lengths=self.lengths[rows])
+
 
 @struct.dataclass
 class BlockKV:

@@ -22,9 +22,8 @@ import optax
 from flax import struct
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.adapt.distill import DistillBatch, top_targets
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
-from specroll_jax.rollout.driver import Response
+from specroll_jax.spec.pairs import HeadPairs, top_targets
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
 
@@ -53,7 +52,7 @@ class GRPOConfig:
   # True: pi_old is the learner's own forward at the step's starting parameters (exact for
   # one update per batch, as train_step does), not the rollout engine's log-probs, so
   # training does not depend on the engine's float32 rounding (1e-5, shape dependent).
-  learner_old_logprobs: bool = False
+  learner_old_logprobs: bool = True
 
   def __post_init__(self):
     if self.group_size < 1:
@@ -111,31 +110,33 @@ class RolloutBatch:
   ref_logprobs: jax.Array | None = None  # float32 [B, T] reference log-prob of token t
 
 
-def batch_from_responses(prompts: list[list[int]], responses: list[Response], advantages,
-                         width: int) -> RolloutBatch:
-  """Packs responses (rows in the given order) with their prompts into a [B, width] batch.
+def batch_from_rollouts(prompts: list[list[int]], responses: list[list[int]],
+                       logprobs: list[list[float]], advantages, width: int) -> RolloutBatch:
+  """Packs row i = prompts[i] + responses[i] into a [B, width] batch.
 
-  Old log-probs are the rollout's own (Response.logprobs). For a reference KL term, set
+  logprobs[i] are the rollout's own log-probs of responses[i] (the behaviour policy when
+  learner_old_logprobs is off). For a reference KL term, set
   `ref_logprobs=token_logprobs(config, ref_params, batch.tokens, T)` with `batch.replace`.
   """
   advantages = np.asarray(advantages, np.float32)
-  if advantages.shape != (len(responses),):
-    raise ValueError(f'advantages has shape {advantages.shape}, expected ({len(responses)},)')
-  tokens = np.full((len(responses), width), -1, np.int32)
-  mask = np.zeros((len(responses), width), bool)
-  old = np.zeros((len(responses), width), np.float32)
-  for i, r in enumerate(responses):
-    prompt = prompts[r.prompt_index]
-    end = len(prompt) + len(r.token_ids)
+  rows = len(responses)
+  if not len(prompts) == len(logprobs) == rows:
+    raise ValueError(f'{len(prompts)} prompts, {rows} responses and {len(logprobs)} '
+                     'log-prob rows: one of each per row')
+  if advantages.shape != (rows,):
+    raise ValueError(f'advantages has shape {advantages.shape}, expected ({rows},)')
+  tokens = np.full((rows, width), -1, np.int32)
+  mask = np.zeros((rows, width), bool)
+  old = np.zeros((rows, width), np.float32)
+  for i, (prompt, response, logp) in enumerate(zip(prompts, responses, logprobs)):
+    end = len(prompt) + len(response)
     if end > width:
-      raise ValueError(f'response {i} (prompt {r.prompt_index}, sample {r.sample_index}) needs '
-                       f'{end} positions but width is {width}')
-    if len(r.logprobs) != len(r.token_ids):
-      raise ValueError(f'response {i} has {len(r.token_ids)} tokens but '
-                       f'{len(r.logprobs)} log-probs')
-    tokens[i, :end] = list(prompt) + list(r.token_ids)
+      raise ValueError(f'row {i} needs {end} positions but width is {width}')
+    if len(logp) != len(response):
+      raise ValueError(f'row {i} has {len(response)} tokens but {len(logp)} log-probs')
+    tokens[i, :end] = list(prompt) + list(response)
     mask[i, len(prompt):end] = True
-    old[i, len(prompt):end] = r.logprobs
+    old[i, len(prompt):end] = logp
   return RolloutBatch(tokens=jnp.asarray(tokens), response_mask=jnp.asarray(mask),
                       old_logprobs=jnp.asarray(old), advantages=jnp.asarray(advantages))
 
@@ -163,7 +164,7 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
     ids, target_logp = jax.lax.stop_gradient(top_targets(logits, harvest_top_k))
     # Heads never read a target at the last position (its horizon is past the row).
     last = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
-    pairs = DistillBatch(hidden=jax.lax.stop_gradient(hidden), target_ids=last(ids),
+    pairs = HeadPairs(hidden=jax.lax.stop_gradient(hidden), target_ids=last(ids),
                          target_logp=last(target_logp), tokens=safe, valid=valid)
   return shift(logp), shift(entropy), pairs
 
@@ -257,7 +258,7 @@ def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
   Only one micro-batch's activations are live at a time, and every micro-batch has the
   same shapes, so one compilation serves any number of them. Gradients are summed in
   float32 and returned in the parameters' dtype. Returns (grads, metrics, pairs): pairs is
-  the slow path's DistillBatch over all rows when config.harvest_top_k > 0, else None.
+  the slow path's HeadPairs over all rows when config.harvest_top_k > 0, else None.
   """
   rows = batch.tokens.shape[0]
   size = config.micro_batch_size

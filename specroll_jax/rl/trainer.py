@@ -12,28 +12,33 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import struct
 from tqdm import tqdm
 
-from specroll_jax.adapt import distill
-from specroll_jax.rl import grpo
-from specroll_jax.tasks import rewards
-from specroll_jax.adapt import monitor as slow_path
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.tasks.default_policy import ensure_default_policy
-from specroll_jax.spec.factory import eos_ids, prior_acceptance, summarize, tree_config
-from specroll_jax.spec.heads import HeadsConfig, load_heads, save_heads
-from specroll_jax.model.policy import Policy, load_policy
+from specroll_jax.adapt import consolidation, monitor
+from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
+from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
 from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.adapt.reflex_proposer import ReflexProposer
+from specroll_jax.model.policy import Policy, load_policy
+from specroll_jax.rl import grpo
 from specroll_jax.rl.report import write_report
-from specroll_jax.rollout.driver import Driver, RolloutConfig, pow2_at_least
+from specroll_jax.rl.sections import build
+from specroll_jax.rollout.buckets import sequence_width
+from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.adapt.monitor import MonitorState, SlowPathConfig
-from specroll_jax.spec.engine import SpecEngine, SpecParams
+from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
+from specroll_jax.spec.head_proposer import HeadDraftConfig
+from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.tasks import rewards
+from specroll_jax.tasks.default_policy import ensure_default_policy
 from specroll_jax.tasks.sources import load_tasks
 
 METRICS_FILE = 'metrics.jsonl'
@@ -42,81 +47,126 @@ METRICS_FILE = 'metrics.jsonl'
 ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
 
 
+@struct.dataclass
+class HeadsState:
+  params: dict           # the horizon heads, as the slow path has adapted them
+  monitor: MonitorState  # the slow path's monitor
+
+
+@struct.dataclass
+class TrainState:
+  """Everything a run resumes from (one Orbax checkpoint per saved step)."""
+  policy: dict
+  opt_state: Any
+  step: int
+  data_position: int         # index of the next task in the (cycled) task list
+  heads: HeadsState | None   # None when rollouts are vanilla
+
+
+def check_config(c) -> None:
+  """Every section builds its dataclass and names are valid, before anything is loaded."""
+  if c.rollout.engine not in ENGINES:
+    raise ValueError(f'config rollout.engine must be one of {ENGINES}, got {c.rollout.engine!r}')
+  if c.adaptation.mode not in ADAPTATION_MODES:
+    raise ValueError(f'config adaptation.mode must be one of {ADAPTATION_MODES}, '
+                     f'got {c.adaptation.mode!r}')
+  build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex')
+  build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
+  build(ConsolidationConfig, c.adaptation.consolidation, 'adaptation.consolidation')
+  grpo_config(c, c.adaptation.harvest_top_k)
+  HeadDraftConfig(tuple(c.rollout.branching))
+  sampler(c)
+
+
+def step_seed(c, step: int) -> int:
+  """The rollout (and consolidation) seed of GRPO step `step`: a resumed run draws exactly
+  what the uninterrupted one would have."""
+  return c.seed * 1_000_003 + step
+
+
+def sampler(c) -> SamplerConfig:
+  r = c.rollout
+  return SamplerConfig(r.temperature, r.top_k, r.top_p)
+
+
 class Rollouts:
   """The rollout side: an engine and its driver, fed the learner's current params."""
 
   def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None):
     r = c.rollout
-    self.sampler = SamplerConfig(r.temperature, r.top_k, r.top_p)
     self.group_size = r.group_size
-    self.speculative = r.engine == 'specroll'
-    if self.speculative:
-      tree = tree_config(policy, branching=r.branching, max_nodes=r.max_nodes,
-                         capacity_tokens=r.capacity_tokens)
-      reflex = (ReflexConfig(**c.adaptation.reflex)
-                if c.adaptation.mode in ('reflex', 'both') else None)
-      engine = SpecEngine(policy.config, heads_config, tree, self.sampler, eos_ids(policy),
-                          prior_accept=prior_acceptance(heads_dir),
-                          tree_attention=r.tree_attention, reflex=reflex)
-    elif r.engine == 'vanilla':
-      engine = VanillaEngine(policy.config, self.sampler, eos_ids(policy))
-    else:
-      raise ValueError(f'rollout.engine must be vanilla or specroll, got {r.engine!r}')
-    self.driver = Driver(engine, RolloutConfig(r.max_new_tokens, max_batch=r.max_batch))
+    self.proposer = tree = None
+    if r.engine == 'specroll':
+      self.proposer = head_proposer(policy, heads_config, heads_dir, sampler(c),
+                                    HeadDraftConfig(tuple(r.branching)))
+      if c.adaptation.mode in ('reflex', 'both'):
+        self.proposer = ReflexProposer(
+            self.proposer, build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex'))
+      tree = tree_config(policy, max_nodes=r.max_nodes, capacity_tokens=r.capacity_tokens)
+    self.engine = make_engine(policy, r.engine, sampler(c), proposer=self.proposer, tree=tree,
+                              tree_attention=r.tree_attention)
+    self.driver = Driver(self.engine, RolloutConfig(r.max_new_tokens, max_batch=r.max_batch))
 
   def generate(self, policy_params, head_params, prompts, seed):
-    params = SpecParams(policy_params, head_params) if self.speculative else policy_params
-    return self.driver.generate(params, prompts, self.group_size, seed)
+    return self.driver.generate(self.engine.params(policy_params, head_params), prompts,
+                                self.group_size, seed)
 
 
 class HeadAdaptation:
   """The slow timescale between rollout batches: monitor + consolidation, or the
   always-online baseline. Reflex (the fast timescale) lives inside the engine."""
 
-  def __init__(self, c, policy: Policy, heads_config: HeadsConfig):
+  def __init__(self, c, policy: Policy, heads_config: HeadsConfig, proposer):
     self.mode = c.adaptation.mode
-    self.config = SlowPathConfig(**c.adaptation.slow_path)
+    self.monitor_config = build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
+    self.consolidation_config = build(ConsolidationConfig, c.adaptation.consolidation,
+                                      'adaptation.consolidation')
     self.branching = tuple(c.rollout.branching)
     self.response_span = c.rollout.max_new_tokens + 1  # last prompt position + the response
     self.policy_config, self.heads_config = policy.config, heads_config
+    self.proposer = proposer
 
   @property
   def harvests(self) -> bool:
     return self.mode in ('online', 'slow', 'both')
 
-  def init_state(self) -> MonitorState:
-    return MonitorState.init(self.config, len(self.branching))
+  def init_state(self, params) -> HeadsState:
+    return HeadsState(params=params,
+                      monitor=MonitorState.init(self.monitor_config, len(self.branching)))
 
-  def update(self, heads, monitor, policy_params, responses, pairs, prompt_lengths, seed):
-    """Returns (heads, monitor, metrics) after one rollout batch; `pairs` are the GRPO
-    forward's harvest over whole rows, `prompt_lengths` the rows' prompt lengths."""
-    window = slow_path.window_stats(responses, self.branching)
+  def update(self, heads: HeadsState, policy_params, responses, pairs, prompt_lengths, seed):
+    """Returns (heads, metrics) after one rollout batch; `pairs` are the GRPO forward's
+    harvest over whole rows, `prompt_lengths` the rows' prompt lengths."""
+    window = monitor.window_stats([self.proposer.head_stats(r.stats.proposer) for r in responses],
+                                  [r.stats.tree for r in responses],
+                                  sum(r.steps for r in responses), self.branching)
     metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
                'head_regret': window.regret.round(4).tolist()}
     if not self.harvests:
-      return heads, monitor, metrics
+      return heads, metrics
     all_heads = np.ones(self.heads_config.num_heads, bool)
+    watch = heads.monitor
     if self.mode == 'online':
       triggered = all_heads
     else:
-      monitor, triggered = slow_path.observe(self.config, monitor, window)
+      watch, triggered = monitor.observe(self.monitor_config, watch, window)
       metrics['triggered'] = np.flatnonzero(triggered).tolist()
       if not triggered.any():
-        return heads, monitor, metrics
+        return heads.replace(monitor=watch), metrics
     mask = np.zeros_like(all_heads)
     mask[:len(triggered)] = triggered
-    spans = slow_path.response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
-                                     self.response_span)
-    result = slow_path.consolidate(self.heads_config, self.policy_config, self.config, heads,
-                                   policy_params, spans, mask, seed,
-                                   rollback=self.mode != 'online')
+    spans = consolidation.response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
+                                         self.response_span)
+    result = consolidation.consolidate(self.heads_config, self.policy_config,
+                                       self.consolidation_config, heads.params, policy_params,
+                                       spans, mask, seed, rollback=self.mode != 'online')
     if self.mode != 'online':
-      monitor = slow_path.after_update(self.config, monitor, triggered,
-                                       result.kept[:len(triggered)])
+      watch = monitor.after_update(self.monitor_config, watch, triggered,
+                                   result.kept[:len(triggered)])
       metrics['kept'] = np.flatnonzero(result.kept).tolist()
     metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
                    head_kl_after=result.kl_after.round(4).tolist())
-    return result.params, monitor, metrics
+    return HeadsState(params=result.params, monitor=watch), metrics
 
 
 def resolve_policy(c) -> Path:
@@ -128,33 +178,23 @@ def resolve_policy(c) -> Path:
   return ensure_default_policy(c.policy.cache_dir)
 
 
-def warm_start_heads(policy: Policy, c, tasks, workdir: Path) -> Path:
-  """Heads self-distilled on the initial policy's own answers to task prompts (cached)."""
+def warm_start_heads(policy: Policy, c, tasks, workdir: Path, source: Path):
+  """Heads self-distilled on the initial policy's own answers to task prompts (cached in
+  workdir/heads); returns (heads config, params, directory)."""
+  h = c.heads
   directory = workdir / 'heads'
-  if not (directory / 'heads.safetensors').exists():
-    h = c.heads
-    heads_config = HeadsConfig(h.num_heads)
-    prompts = [policy.tokenizer.encode(t.prompt) for t in tasks[:h.num_sequences + h.held_out]]
-    result = distill.warm_start(
-        policy, heads_config, distill.DistillConfig(steps=h.steps), prompts,
-        num_sequences=h.num_sequences, held_out=h.held_out,
-        max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
-        seed=c.seed)
-    save_heads(directory, heads_config, result.params,
-               {'steps': h.steps, 'final_loss': result.loss,
-                'rank_hit_rate': result.rank_hit_rate_after.tolist()})
-  return directory
+  prompts = [policy.tokenizer.encode(t.prompt) for t in tasks[:h.num_sequences + h.held_out]]
+  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
+                   max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
+                   seed=c.seed)
+  heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads), DistillConfig(steps=h.steps),
+                                      prompts, plan, directory, str(source))
+  return heads_config, params, directory
 
 
 def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
-  g = c.grpo
-  return grpo.GRPOConfig(
-      group_size=c.rollout.group_size, clip_epsilon_low=g.clip_epsilon_low,
-      clip_epsilon_high=g.clip_epsilon_high, kl_coef=g.kl_coef,
-      loss_aggregation=g.loss_aggregation, temperature=c.rollout.temperature or 1.0,
-      learning_rate=g.learning_rate, weight_decay=g.weight_decay,
-      max_grad_norm=g.max_grad_norm, micro_batch_size=g.micro_batch_size,
-      learner_old_logprobs=g.learner_old_logprobs, harvest_top_k=harvest_top_k)
+  return build(grpo.GRPOConfig, c.grpo, 'grpo', group_size=c.rollout.group_size,
+               temperature=c.rollout.temperature or 1.0, harvest_top_k=harvest_top_k)
 
 
 def rollout_digest(responses) -> str:
@@ -184,30 +224,26 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 def train(c, workdir) -> dict:
   """Runs (or resumes) GRPO per config `c` in `workdir`; returns the last step's metrics."""
+  check_config(c)
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  policy = load_policy(resolve_policy(c), dtype=c.policy.dtype)
+  policy_dir = resolve_policy(c)
+  policy = load_policy(policy_dir, dtype=c.policy.dtype)
   tasks = load_tasks(c.task.source, count=c.task.count, seed=c.seed,
                      data_dir=c.task.data_dir or None, split=c.task.split or None)
   if not tasks:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
-  if c.adaptation.mode not in ADAPTATION_MODES:
-    raise ValueError(f'config adaptation.mode must be one of {ADAPTATION_MODES}, '
-                     f'got {c.adaptation.mode!r}')
-  speculative = c.rollout.engine == 'specroll'
   heads_dir = heads_config = adaptation = None
-  if speculative:
-    heads_dir = warm_start_heads(policy, c, tasks, workdir)
-    heads_config, heads = load_heads(heads_dir, policy.config)
-    adaptation = HeadAdaptation(c, policy, heads_config)
+  if c.rollout.engine == 'specroll':
+    heads_config, heads, heads_dir = warm_start_heads(policy, c, tasks, workdir, policy_dir)
   rollouts = Rollouts(policy, c, heads_config, heads_dir)
+  if heads_dir is not None:
+    adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
   optimizer = grpo.make_optimizer(config)
-  state = {'policy': policy.params, 'opt_state': optimizer.init(policy.params), 'step': 0,
-           'data_position': 0}
-  if speculative:
-    # Adapted heads and the slow path's monitor resume with everything else.
-    state.update(heads=heads, monitor=adaptation.init_state())
+  state = TrainState(policy=policy.params, opt_state=optimizer.init(policy.params), step=0,
+                     data_position=0,
+                     heads=None if adaptation is None else adaptation.init_state(heads))
   initial_policy = policy.params
   reference = policy.params if config.kl_coef > 0 else None
   manager = ocp.CheckpointManager(
@@ -215,22 +251,22 @@ def train(c, workdir) -> dict:
       options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1))
   if manager.latest_step() is not None:
     state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
-    print(f'resumed from step {int(state["step"])}', file=sys.stderr)
+    print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
-  _truncate_metrics(metrics_path, int(state['step']))
-  width = pow2_at_least(max(len(policy.tokenizer.encode(t.prompt)) for t in tasks)
-                        + c.rollout.max_new_tokens, 16)
+  _truncate_metrics(metrics_path, int(state.step))
+  width = sequence_width(max(len(policy.tokenizer.encode(t.prompt)) for t in tasks),
+                         c.rollout.max_new_tokens, rollouts.driver.config.prompt_bucket_min)
   per_step = c.rollout.prompts_per_step
   last = {}
-  with tqdm(total=c.steps, initial=int(state['step']), desc='grpo', file=sys.stderr) as bar:
-    while int(state['step']) < c.steps:
-      step, position = int(state['step']), int(state['data_position'])
+  with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr) as bar:
+    while int(state.step) < c.steps:
+      step, position = int(state.step), int(state.data_position)
       batch_tasks = [tasks[(position + i) % len(tasks)] for i in range(per_step)]
       prompts = [policy.tokenizer.encode(t.prompt) for t in batch_tasks]
       times = {}
       start = time.perf_counter()
-      responses = rollouts.generate(state['policy'], state.get('heads'), prompts,
-                                    seed=c.seed * 1_000_003 + step)
+      responses = rollouts.generate(state.policy, state.heads and state.heads.params, prompts,
+                                    seed=step_seed(c, step))
       times['rollout'] = time.perf_counter() - start
       start = time.perf_counter()
       texts = [policy.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in responses]
@@ -239,37 +275,33 @@ def train(c, workdir) -> dict:
                          for text, r in zip(texts, responses)], np.float32)
       times['reward'] = time.perf_counter() - start
       start = time.perf_counter()
-      batch = grpo.batch_from_responses(prompts, responses,
-                                        grpo.group_advantages(scores, config.group_size,
-                                                              config.advantage_eps), width)
+      row_prompts = [prompts[r.prompt_index] for r in responses]
+      batch = grpo.batch_from_rollouts(
+          row_prompts, [r.token_ids for r in responses], [r.logprobs for r in responses],
+          grpo.group_advantages(scores, config.group_size, config.advantage_eps), width)
       if reference is not None:
         batch = batch.replace(ref_logprobs=grpo.token_logprobs(
             policy.config, reference, batch.tokens, config.temperature))
       jax.block_until_ready(batch)
       times['logprobs'] = time.perf_counter() - start
       start = time.perf_counter()
-      params, opt_state, update, pairs = grpo.train_step(policy.config, config, state['policy'],
-                                                         state['opt_state'], batch)
+      params, opt_state, update, pairs = grpo.train_step(policy.config, config, state.policy,
+                                                         state.opt_state, batch)
       jax.block_until_ready(params)
       times['update'] = time.perf_counter() - start
       start = time.perf_counter()
-      adapted = {}
+      heads, adapted = state.heads, {}
       if adaptation is not None:
         # Pairs come from the pre-update policy's forward, so they are scored with it.
-        heads, monitor, adapted = adaptation.update(state['heads'], state['monitor'],
-                                                    state['policy'], responses, pairs,
-                                                    [len(prompts[r.prompt_index])
-                                                     for r in responses],
-                                                    seed=c.seed * 1_000_003 + step)
+        heads, adapted = adaptation.update(heads, state.policy, responses, pairs,
+                                           [len(p) for p in row_prompts], seed=step_seed(c, step))
         jax.block_until_ready(heads)
       times['head_update'] = time.perf_counter() - start
       if c.metrics.drift_kl:
         adapted['drift_kl'] = drift_kl(policy.config, initial_policy, batch, config.temperature)
-      state = {**state, 'policy': params, 'opt_state': opt_state, 'step': step + 1,
-               'data_position': (position + per_step) % len(tasks)}
-      if adaptation is not None:
-        state.update(heads=heads, monitor=monitor)
-      summary = summarize(responses)
+      state = TrainState(policy=params, opt_state=opt_state, step=step + 1,
+                         data_position=(position + per_step) % len(tasks), heads=heads)
+      summary = rollouts.engine.summarize(responses)
       last = {'step': step + 1, 'reward': float(scores.mean()),
               'accuracy': float((scores == 1.0).mean()),
               'response_length': summary['tokens'] / len(responses),

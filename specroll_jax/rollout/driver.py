@@ -1,12 +1,9 @@
-"""The rollout driver shared by every engine: buckets, prefill, segments and compaction.
+"""The rollout driver shared by every engine: buckets, segments and compaction.
 
-An engine (decode.VanillaEngine, speculative.SpecEngine) provides two jitted functions,
-`start(params, prompt_tokens, seqs, cache_length)` -> state and
-`run(params, state, seed_key, stop_at_active)` -> state, where state carries `.seqs`
-(sequences.Sequences) and `.cache`, and `row_stats(state)` -> {name: per-row array}. `run` is a `lax.while_loop` on device that stops when
-every row is done or when at most `stop_at_active` rows are still running; the driver then
-moves the running rows into the next smaller batch bucket (one host round trip per
-halving of the batch, never per token) so finished rows stop costing compute.
+An engine (rollout.engine.Engine) runs a bucket of rows on device until at most
+`stop_at_active` are still running; the driver then moves the running rows into the next
+smaller batch bucket (one host round trip per halving of the batch, never per token) so
+finished rows stop costing compute.
 """
 import dataclasses
 from functools import partial
@@ -15,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax.model.kv_cache import KVCache, commit
+from specroll_jax.model.kv_cache import KVCache
 from specroll_jax.model.mesh import constrain_rows
-from specroll_jax.model.transformer import Transformer, causal_mask
+from specroll_jax.rollout.buckets import batch_buckets, sequence_width
+from specroll_jax.rollout.response import FINISH_EOS, FINISH_LENGTH, Response
 from specroll_jax.rollout.sequences import Sequences
-
-FINISH_EOS = 'eos'
-FINISH_LENGTH = 'length'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,58 +27,10 @@ class RolloutConfig:
   prompt_bucket_min: int = 16
 
 
-@dataclasses.dataclass
-class Response:
-  prompt_index: int
-  sample_index: int
-  token_ids: list
-  logprobs: list
-  finish_reason: str
-  steps: int                 # policy forwards this response took part in
-  stats: dict = dataclasses.field(default_factory=dict)  # engine-specific per-row counters
-
-
-def pow2_at_least(n: int, minimum: int) -> int:
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
-
-
-def batch_buckets(max_batch: int, data_size: int) -> list[int]:
-  """Smallest first; every bucket is a multiple of the data axis so rows shard evenly."""
-  if max_batch % data_size:
-    raise ValueError(f'max_batch={max_batch} must be a multiple of the data axis ({data_size})')
-  buckets, size = [], data_size
-  while size < max_batch:
-    buckets.append(size)
-    size *= 2
-  return buckets + [max_batch]
-
-
 def take_rows(tree, rows: jax.Array):
-  """Gathers batch rows of a rollout state (KV caches keep the batch on axis 1)."""
-  def take(node):
-    if isinstance(node, KVCache):
-      return KVCache(k=node.k[:, rows], v=node.v[:, rows], lengths=node.lengths[rows])
-    return node[rows]
-  return jax.tree.map(take, tree, is_leaf=lambda x: isinstance(x, KVCache))
-
-
-def prefill(model: Transformer, params, prompt_tokens, prompt_lengths, cache_length: int):
-  """Runs right-padded prompts [B, P] into a fresh cache of `cache_length` slots.
-
-  Returns the cache and the final hidden state and logits at each row's last prompt token.
-  """
-  batch, width = prompt_tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  valid = positions < prompt_lengths[:, None]
-  hidden, block = model.apply({'params': params}, prompt_tokens, positions, causal_mask(valid))
-  cache = KVCache.zeros(model.config, batch, cache_length)
-  cache = commit(cache, block, positions, prompt_lengths)
-  last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-  logits = model.apply({'params': params}, last, method=Transformer.project)
-  return cache, last, logits
+  """Gathers batch rows of a rollout state; a KV cache knows its own batch axis."""
+  return jax.tree.map(lambda node: node.take(rows) if isinstance(node, KVCache) else node[rows],
+                      tree, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 class Driver:
@@ -110,8 +57,9 @@ class Driver:
       raise ValueError(f'prompt {worst} has {max_prompt} tokens; with max_new_tokens='
                        f'{self.config.max_new_tokens} it exceeds the model\'s '
                        f'max_position_embeddings={limit}')
-    prompt_width = pow2_at_least(max_prompt, self.config.prompt_bucket_min)
-    cache_length = prompt_width + self.config.max_new_tokens
+    cache_length = sequence_width(max_prompt, self.config.max_new_tokens,
+                                  self.config.prompt_bucket_min)
+    prompt_width = cache_length - self.config.max_new_tokens
     seed_key = jax.random.key(seed)
     rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
     results = {}
@@ -164,6 +112,7 @@ class Driver:
     tokens, logprobs, counts, eos, steps, stats = jax.device_get(
         (seqs.tokens, seqs.logprobs, seqs.num_generated, seqs.hit_eos, seqs.steps,
          self.engine.row_stats(state)))
+    row = lambda slot: jax.tree.map(lambda x: x[slot], stats)
     for slot in slots:
       r = int(row_of_slot[slot])
       n = int(counts[slot])
@@ -172,7 +121,7 @@ class Driver:
                             logprobs=logprobs[slot, :n].tolist(),
                             finish_reason=FINISH_EOS if eos[slot] else FINISH_LENGTH,
                             steps=int(steps[slot]),
-                            stats={name: value[slot] for name, value in stats.items()})
+                            stats=row(slot))
     if progress is not None:
       progress.update(len(slots))
 

@@ -98,3 +98,9 @@ def token_logprob(logits: jax.Array, tokens: jax.Array, sampler: SamplerConfig) 
   scale = 1.0 if sampler.greedy else sampler.temperature
   logp = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def draw_next(logits: jax.Array, seed_key, response_ids, positions, sampler: SamplerConfig):
+  """Each row's token at `positions` under the contract, with its rollout log-prob."""
+  tokens = draw(logits, token_keys(seed_key, response_ids, positions), sampler)
+  return tokens, token_logprob(logits, tokens, sampler)

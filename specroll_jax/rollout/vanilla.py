@@ -7,12 +7,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from specroll_jax.rollout import sampling
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
+from specroll_jax.model.prefill import prefill
 from specroll_jax.model.transformer import Transformer
-from specroll_jax.rollout.driver import prefill
+from specroll_jax.rollout import sampling
+from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
 
 
@@ -23,12 +24,8 @@ class DecodeState:
   seqs: Sequences
 
 
-def running_count(seqs: Sequences) -> jax.Array:
-  return jnp.sum(~seqs.done)
-
-
 @dataclasses.dataclass(frozen=True)
-class VanillaEngine:
+class VanillaEngine(Engine):
   model_config: ModelConfig
   sampler: sampling.SamplerConfig
   eos_ids: tuple
@@ -38,32 +35,23 @@ class VanillaEngine:
   def model(self) -> Transformer:
     return Transformer(self.model_config)
 
+  def params(self, policy_params, proposer_params=None):
+    """The pytree `start` and `run` take: the policy's parameters alone."""
+    del proposer_params
+    return policy_params
+
   @partial(jax.jit, static_argnums=(0, 4))
   def start(self, params, prompt_tokens, seqs: Sequences, cache_length: int) -> DecodeState:
     cache, _, logits = prefill(self.model, params, prompt_tokens, seqs.prompt_lengths,
                                cache_length)
     return constrain_rows(self.mesh, DecodeState(cache=cache, next_logits=logits, seqs=seqs))
 
-  @partial(jax.jit, static_argnums=0)
-  def run(self, params, state: DecodeState, seed_key, stop_at_active) -> DecodeState:
-    def keep_going(s):
-      running = running_count(s.seqs)
-      return (running > 0) & (running > stop_at_active)
-
-    return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
-
-  @staticmethod
-  def row_stats(state: DecodeState) -> dict:
-    del state
-    return {}
-
   def step(self, params, state: DecodeState, seed_key) -> DecodeState:
     """Draws one token per running row and runs it through the policy."""
     seqs = state.seqs
     positions = seqs.next_positions
-    keys = sampling.token_keys(seed_key, seqs.response_ids, positions)
-    tokens = sampling.draw(state.next_logits, keys, self.sampler)
-    logprobs = sampling.token_logprob(state.next_logits, tokens, self.sampler)
+    tokens, logprobs = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
+                                          positions, self.sampler)
     seqs, kept = seqs.append(tokens[:, None], logprobs[:, None],
                              jnp.ones_like(tokens), self.eos_ids)
     ones = jnp.ones((tokens.shape[0], 1, 1), bool)

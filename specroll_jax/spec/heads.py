@@ -60,21 +60,54 @@ def apply_heads(config: HeadsConfig, model_config: ModelConfig, params, hidden):
   return HorizonHeads(config, model_config).apply({'params': params}, hidden)
 
 
-def save_heads(directory, config: HeadsConfig, params, metadata: dict | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class HeadsMetadata:
+  """How a set of heads was warm-started, stored beside them in heads_config.json."""
+  source: str             # the policy checkpoint (or default-policy build) they were trained on
+  num_sequences: int      # self-generated training sequences
+  max_new_tokens: int     # tokens per generated sequence
+  temperature: float      # sampling temperature of those generations
+  steps: int              # optimizer steps
+  final_loss: float
+  rank_hit_rate: tuple    # [H][ranks] held-out rate at which head k's rank-r token was realised
+
+  def __post_init__(self):
+    object.__setattr__(self, 'rank_hit_rate',
+                       tuple(tuple(float(x) for x in row) for row in self.rank_hit_rate))
+
+
+def save_heads(directory, config: HeadsConfig, params,
+               metadata: HeadsMetadata | None = None) -> None:
   """Writes heads.safetensors + heads_config.json (hyperparameters and training metadata)."""
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
-  flat = {'/'.join(k): v for k, v in traverse_util.flatten_dict(params).items()}
-  tmp = directory / (HEADS_FILE + '.tmp')
-  save_file(flat, str(tmp))
-  tmp.replace(directory / HEADS_FILE)
-  record = {'heads': dataclasses.asdict(config), 'metadata': metadata or {}}
-  (directory / HEADS_CONFIG_FILE).write_text(json.dumps(record, indent=2) + '\n')
+  record = {'heads': dataclasses.asdict(config),
+            'metadata': None if metadata is None else dataclasses.asdict(metadata)}
+  # Both files go in by rename, the weights last: present weights mean a complete save.
+  config_tmp = directory / (HEADS_CONFIG_FILE + '.tmp')
+  config_tmp.write_text(json.dumps(record, indent=2) + '\n')
+  config_tmp.replace(directory / HEADS_CONFIG_FILE)
+  weights_tmp = directory / (HEADS_FILE + '.tmp')
+  save_file({'/'.join(k): v for k, v in traverse_util.flatten_dict(params).items()},
+            str(weights_tmp))
+  weights_tmp.replace(directory / HEADS_FILE)
 
 
-def heads_metadata(directory) -> dict:
-  """The training metadata save_heads stored (e.g. 'rank_hit_rate' [H][ranks])."""
-  return json.loads((Path(directory) / HEADS_CONFIG_FILE).read_text()).get('metadata', {})
+def heads_metadata(directory) -> HeadsMetadata | None:
+  """The training metadata save_heads stored (None for heads saved without any)."""
+  path = Path(directory) / HEADS_CONFIG_FILE
+  try:
+    raw = json.loads(path.read_text())['metadata']
+    return None if raw is None else HeadsMetadata(**raw)
+  except FileNotFoundError:
+    raise FileNotFoundError(f'{path}: not found (train heads with experiments.train_heads)') from None
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f'{path}: no valid heads metadata ({e})') from None
+
+
+def has_heads(directory) -> bool:
+  """Whether `directory` holds a complete save_heads."""
+  return (Path(directory) / HEADS_FILE).is_file()
 
 
 def load_heads(directory, model_config: ModelConfig) -> tuple[HeadsConfig, dict]:

@@ -32,9 +32,61 @@ class WalkResult:
   target_probs: jax.Array  # float32 [B, H, M] their probabilities (the sampler's transform)
 
 
+@struct.dataclass
+class WalkState:
+  """The walk's carry: where each row stands, and what it has drawn at each depth so far."""
+  depth: jax.Array         # int32 [] the level drawn next (1 = the root's children)
+  current: jax.Array       # int32 [B] the node each row stands on
+  walking: jax.Array       # bool [B] the row is still descending
+  path: jax.Array          # int32 [B, H+1] accepted nodes by depth (0 = none)
+  logprobs: jax.Array      # float32 [B, H]
+  drawn: jax.Array         # int32 [B, H]
+  reached: jax.Array       # bool [B, H]
+  last_logits: jax.Array   # float32 [B, V] logits where the row stopped
+  target_ids: jax.Array    # int32 [B, H, M]
+  target_probs: jax.Array  # float32 [B, H, M]
+
+  @classmethod
+  def init(cls, batch: int, max_depth: int, vocab_size: int, top_m: int) -> 'WalkState':
+    per_depth = lambda dtype, *extra: jnp.zeros((batch, max_depth) + extra, dtype)
+    return cls(depth=jnp.int32(1), current=jnp.zeros((batch,), jnp.int32),
+               walking=jnp.ones((batch,), bool),
+               path=jnp.zeros((batch, max_depth + 1), jnp.int32),
+               logprobs=per_depth(jnp.float32), drawn=per_depth(jnp.int32),
+               reached=per_depth(bool), last_logits=jnp.zeros((batch, vocab_size), jnp.float32),
+               target_ids=per_depth(jnp.int32, top_m), target_probs=per_depth(jnp.float32, top_m))
+
+  def record(self, logits, probs, draw, child, sampler: sampling.SamplerConfig) -> 'WalkState':
+    """Advances one level: `draw` [B] was drawn from `logits`/`probs` at the current node,
+    `child` [B] is the node it matched (-1: none, the walk stops there)."""
+    found = self.walking & (child >= 0)
+    max_depth = self.drawn.shape[1]
+    slot = jnp.minimum(self.depth, max_depth) - 1  # depth H + 1 only projects; nothing to record
+    recorded = self.depth <= max_depth
+    at_slot = lambda buffer, value: jnp.where(recorded, buffer.at[:, slot].set(value), buffer)
+    top_probs, top_ids = jax.lax.top_k(probs, self.target_ids.shape[-1])
+    current = jnp.where(found, child, self.current)
+    return WalkState(
+        depth=self.depth + 1, current=current, walking=found,
+        path=self.path.at[:, self.depth].set(jnp.where(found, current, 0), mode='drop'),
+        logprobs=at_slot(self.logprobs, sampling.token_logprob(logits, draw, sampler)),
+        drawn=at_slot(self.drawn, draw), reached=at_slot(self.reached, self.walking),
+        # A row whose walk ends here keeps these logits: they seed its next step.
+        last_logits=jnp.where((self.walking & ~found)[:, None], logits, self.last_logits),
+        target_ids=at_slot(self.target_ids, top_ids.astype(jnp.int32)),
+        target_probs=at_slot(self.target_probs, top_probs))
+
+  def result(self, tree: Tree) -> WalkResult:
+    return WalkResult(
+        path=self.path, accepted=jnp.sum(self.path[:, 1:] > 0, axis=1).astype(jnp.int32),
+        tokens=jnp.take_along_axis(tree.tokens, self.path, axis=1), logprobs=self.logprobs,
+        last_logits=self.last_logits, drawn=self.drawn, reached=self.reached,
+        target_ids=self.target_ids, target_probs=self.target_probs)
+
+
 def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
          sampler: sampling.SamplerConfig, max_depth: int, vocab_size: int,
-         sketch_size: int) -> WalkResult:
+         top_m: int) -> WalkResult:
   """Verifies `tree` given the policy's hidden states at its nodes.
 
   Args:
@@ -42,46 +94,22 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
     project: hidden [B, D] -> float32 logits [B, V] (the policy's vocabulary projection).
     root_positions: int32 [B] absolute position of each root token.
     max_depth: deepest tree level (H); the walk projects at most H + 1 nodes per row.
-    sketch_size: M, how many of the policy's top tokens to keep at each drawn depth (the
+    top_m: M, how many of the policy's top tokens to keep at each drawn depth (the
       delayed feedback Reflex and the slow-path monitor learn from).
   """
-  batch = tree.tokens.shape[0]
-  rows = jnp.arange(batch)
+  rows = jnp.arange(tree.tokens.shape[0])
 
-  def descend(carry):
-    depth, current, walking, path, logprobs, drawn, reached, last_logits, sketch = carry
-    logits = project(hidden[rows, current])
-    keys = sampling.token_keys(seed_key, response_ids, root_positions + depth)
+  def descend(state: WalkState) -> WalkState:
+    logits = project(hidden[rows, state.current])
+    keys = sampling.token_keys(seed_key, response_ids, root_positions + state.depth)
     probs = sampling.distribution(logits, sampler)
-    y = sampling.draw(logits, keys, sampler, probs)
-    is_child = (tree.valid & (tree.parents == current[:, None]) & (tree.depths == depth)
-                & (tree.tokens == y[:, None]))
-    found = walking & is_child.any(axis=1)
-    # A row whose walk ends here keeps these logits: they seed its next step.
-    last_logits = jnp.where((walking & ~found)[:, None], logits, last_logits)
-    current = jnp.where(found, jnp.argmax(is_child, axis=1).astype(jnp.int32), current)
-    slot = jnp.minimum(depth, max_depth) - 1  # depth H + 1 only projects; nothing to record
-    record = depth <= max_depth
-    path = path.at[:, depth].set(jnp.where(found, current, 0), mode='drop')
-    logprobs = jnp.where(record, logprobs.at[:, slot].set(
-        sampling.token_logprob(logits, y, sampler)), logprobs)
-    drawn = jnp.where(record, drawn.at[:, slot].set(y), drawn)
-    reached = jnp.where(record, reached.at[:, slot].set(walking), reached)
-    top_probs, top_ids = jax.lax.top_k(probs, sketch_size)
-    sketch = jax.tree.map(lambda buf, x: jnp.where(record, buf.at[:, slot].set(x), buf),
-                          sketch, (top_ids.astype(jnp.int32), top_probs))
-    return depth + 1, current, found, path, logprobs, drawn, reached, last_logits, sketch
+    draw = sampling.draw(logits, keys, sampler, probs)
+    is_child = (tree.valid & (tree.parents == state.current[:, None])
+                & (tree.depths == state.depth) & (tree.tokens == draw[:, None]))
+    child = jnp.where(is_child.any(axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)
+    return state.record(logits, probs, draw, child, sampler)
 
-  init = (jnp.int32(1), jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool),
-          jnp.zeros((batch, max_depth + 1), jnp.int32),
-          jnp.zeros((batch, max_depth), jnp.float32), jnp.zeros((batch, max_depth), jnp.int32),
-          jnp.zeros((batch, max_depth), bool), jnp.zeros((batch, vocab_size), jnp.float32),
-          (jnp.zeros((batch, max_depth, sketch_size), jnp.int32),
-           jnp.zeros((batch, max_depth, sketch_size), jnp.float32)))
-  _, _, _, path, logprobs, drawn, reached, last_logits, sketch = jax.lax.while_loop(
-      lambda c: (c[0] <= max_depth + 1) & c[2].any(), descend, init)
-  accepted = jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
-  return WalkResult(
-      path=path, accepted=accepted, tokens=jnp.take_along_axis(tree.tokens, path, axis=1),
-      logprobs=logprobs, last_logits=last_logits, drawn=drawn, reached=reached,
-      target_ids=sketch[0], target_probs=sketch[1])
+  init = WalkState.init(tree.tokens.shape[0], max_depth, vocab_size, top_m)
+  final = jax.lax.while_loop(lambda s: (s.depth <= max_depth + 1) & s.walking.any(), descend,
+                             init)
+  return final.result(tree)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specroll_jax.tasks import rewards
+from specroll_jax.tasks.paths import DATA_DIR
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data'
+DEFAULT_DATA_DIR = DATA_DIR
 
 SIMPLERL_TEMPLATE = "Question:\n{input}\nAnswer:\nLet's think step by step.\n"
 GSM8K_TEMPLATE = ("Question:\n{input}\nSolve the problem step by step, then write the "

@@ -32,17 +32,17 @@ import optax
 from flax import struct
 from tqdm import tqdm
 
-from specroll_jax.tasks import rewards
-from specroll_jax.tasks import synthetic_math
 from specroll_jax.model.config import ModelConfig, RopeConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.model.transformer import Transformer, causal_mask
 from specroll_jax.model.policy import Policy, load_tokenizer
+from specroll_jax.model.transformer import Transformer, causal_mask
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.tasks import rewards, synthetic_math
+from specroll_jax.tasks.paths import STORIES260K_DIR
 
 # The stories260K tokenizer (512 tokens, byte fallback, one token per digit).
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / 'shared' / 'models' / 'stories260K'
+DEFAULT_TOKENIZER_DIR = STORIES260K_DIR
 REPORT_FILE = 'pretrain_report.json'
 VOCAB_SIZE = 512
 BOS_ID = 1

@@ -1,8 +1,7 @@
 """Prompt sources for GRPO: the embedded synthetic task or a dataset from ../shared/data."""
 import dataclasses
 
-from specroll_jax.tasks import data
-from specroll_jax.tasks import synthetic_math
+from specroll_jax.tasks import data, synthetic_math
 
 
 @dataclasses.dataclass(frozen=True)

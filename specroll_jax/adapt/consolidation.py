@@ -1,0 +1,139 @@
+"""Slow path, second half: consolidation of the heads the monitor triggered (METHOD.md 5).
+
+An update trains only the triggered heads (Optax over the head pytree, the other heads'
+gradients masked out) on pairs the GRPO step's own forward produced (rl/grpo.py,
+`harvest_top_k`): KL(p || q_k) + lambda_tok CE + lambda_prox ||phi - phi_anchor||^2. It is
+kept per head only if the held-out KL improves; otherwise that head rolls back to the anchor.
+"""
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specroll_jax.adapt import distill
+from specroll_jax.adapt.distill import DistillConfig
+from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.spec.pairs import HeadPairs
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsolidationConfig:
+  steps: int = 40                 # Optax steps per update
+  batch_size: int = 32
+  learning_rate: float = 1e-3
+  ce_weight: float = 1.0          # lambda_tok
+  prox_weight: float = 1e-2       # lambda_prox, per parameter (mean squared distance)
+  held_out_fraction: float = 0.25
+
+  def __post_init__(self):
+    if not 0.0 < self.held_out_fraction < 1.0:
+      raise ValueError(f'held_out_fraction must be in (0, 1), got {self.held_out_fraction}')
+
+
+@partial(jax.jit, static_argnums=2)
+def response_spans(pairs: HeadPairs, starts, length: int) -> HeadPairs:
+  """Rows' positions [start, start + length): with start = the last prompt position this is
+  every pair whose horizon lies in the response, at a fraction of a full-width batch's
+  cost (prompts are most of a row's width in math tasks)."""
+  index = starts[:, None] + jnp.arange(length)[None, :]
+  inside = index < pairs.tokens.shape[1]
+  index = jnp.minimum(index, pairs.tokens.shape[1] - 1)
+  take = lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)),
+                                       axis=1)
+  spans = jax.tree.map(take, pairs)
+  return spans.replace(valid=spans.valid & inside)
+
+
+def _distill_config(config: ConsolidationConfig) -> DistillConfig:
+  return DistillConfig(ce_weight=config.ce_weight, learning_rate=config.learning_rate,
+                       batch_size=config.batch_size, steps=config.steps)
+
+
+def _per_head(tree, mask):
+  """Multiplies every head tensor (head axis first) by a per-head mask."""
+  return jax.tree.map(lambda x: x * mask.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype),
+                      tree)
+
+
+def _loss(heads_config, model_config, config: ConsolidationConfig, mask, anchor, head_params,
+          policy_params, batch):
+  kl, ce, count = distill.head_losses(heads_config, model_config, _distill_config(config),
+                                      head_params, policy_params, batch)
+  per_head = (kl + config.ce_weight * ce) / jnp.maximum(count, 1)
+  distance = jax.tree.map(lambda p, a: jnp.mean(jnp.square(p - a).reshape(p.shape[0], -1), 1),
+                          head_params, anchor)
+  proximal = sum(jax.tree.leaves(distance))
+  return jnp.sum(mask * (per_head + config.prox_weight * proximal)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
+           policy_params, batch: HeadPairs, mask, order):
+  """`order` [steps, batch_size] row indices; Optax on the head pytree, masked per head."""
+  optimizer = distill.make_optimizer(_distill_config(config))
+  anchor = head_params
+
+  def step(carry, rows):
+    params, opt_state = carry
+    minibatch = jax.tree.map(lambda x: x[rows], batch)
+    loss, grads = jax.value_and_grad(
+        lambda p: _loss(heads_config, model_config, config, mask, anchor, p, policy_params,
+                        minibatch))(params)
+    updates, opt_state = optimizer.update(_per_head(grads, mask), opt_state, params)
+    # Adam's update of a zero gradient is zero; masking again keeps frozen heads bit-exact.
+    return (optax.apply_updates(params, _per_head(updates, mask)), opt_state), loss
+
+  (params, _), losses = jax.lax.scan(step, (head_params, optimizer.init(head_params)), order)
+  return params, losses[-1]
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_params,
+                batch: HeadPairs):
+  """Mean KL(p || q_k) per head on held-out pairs [H]."""
+  kl, _, count = distill.head_losses(heads_config, model_config, DistillConfig(), head_params,
+                                     policy_params, batch)
+  return kl / jnp.maximum(count, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Consolidation:
+  params: dict
+  kept: np.ndarray        # bool [H] updated heads whose held-out KL improved
+  kl_before: np.ndarray   # [H] held-out KL
+  kl_after: np.ndarray    # [H] held-out KL of the trained (pre-rollback) heads
+  loss: float
+
+
+def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
+                policy_params, pairs: HeadPairs, heads_mask, seed: int,
+                rollback: bool = True) -> Consolidation:
+  """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves
+  (rollback=False keeps every trained head: the always-online baseline)."""
+  heads_mask = np.asarray(heads_mask, bool)
+  rows = pairs.tokens.shape[0]
+  held = max(1, int(round(rows * config.held_out_fraction)))
+  if rows - held < 1:
+    raise ValueError(f'slow path needs at least 2 harvested rows, got {rows}')
+  rng = np.random.default_rng(seed)
+  permutation = rng.permutation(rows)
+  train_rows, held_rows = np.sort(permutation[held:]), np.sort(permutation[:held])
+  take = lambda index: jax.tree.map(lambda x: x[index], pairs)
+  train, held_out = take(train_rows), take(held_rows)
+  order = np.stack([rng.choice(len(train_rows), min(config.batch_size, len(train_rows)),
+                               replace=False) for _ in range(config.steps)])
+  mask = jnp.asarray(heads_mask, jnp.float32)
+  trained, loss = _train(heads_config, model_config, config, head_params, policy_params, train,
+                         mask, jnp.asarray(order))
+  before = np.asarray(held_out_kl(heads_config, model_config, head_params, policy_params,
+                                  held_out))
+  after = np.asarray(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
+  kept = heads_mask & ((after < before) | (not rollback))
+  keep = jnp.asarray(kept, jnp.float32)
+  params = jax.tree.map(lambda new, old: jnp.where(
+      keep.reshape((-1,) + (1,) * (new.ndim - 1)) > 0, new, old), trained, head_params)
+  return Consolidation(params=params, kept=kept, kl_before=before, kl_after=after,
+                       loss=float(loss))

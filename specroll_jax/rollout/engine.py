@@ -1,0 +1,38 @@
+"""What every rollout engine provides to the driver, and the on-device loop they share.
+
+An engine is a frozen dataclass used as the static `self` of its jitted functions:
+  start(params, prompt_tokens, seqs, cache_length) -> state  (prefill; state has .seqs, .cache)
+  step(params, state, seed_key) -> state                     (one policy forward per row)
+  row_stats(state) -> typed per-row statistics, or None
+  summarize(responses) -> dict
+`run` repeats `step` in a `lax.while_loop` on device until every row is done or at most
+`stop_at_active` rows still run, when the driver compacts the batch.
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from specroll_jax.rollout import response
+
+
+class Engine:
+  """Base of the vanilla and speculative engines (subclasses are frozen dataclasses)."""
+
+  @partial(jax.jit, static_argnums=0)
+  def run(self, params, state, seed_key, stop_at_active):
+    def keep_going(s):
+      running = jnp.sum(~s.seqs.done)
+      return (running > 0) & (running > stop_at_active)
+
+    return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
+
+  def step(self, params, state, seed_key):
+    raise NotImplementedError
+
+  def row_stats(self, state):
+    del state
+    return None
+
+  def summarize(self, responses) -> dict:
+    return response.summarize(responses)

@@ -1,0 +1,129 @@
+"""The proposer interface: what drafts a speculative step's candidates and learns from the walk.
+
+A proposer is a frozen dataclass (a static argument of the jitted step, like the engine)
+with per-row state: a pytree the engine creates with the rows and carries through the
+rollout loop, so a row's state lives exactly as long as its response.
+
+  init(batch, max_steps)                       -> state
+  propose(params, state, context, levels)      -> Proposal
+  observe(params, state, context, proposal, feedback) -> state
+  row_stats(state)                             -> typed per-row statistics (Response.stats)
+  summarize(stats, steps)                      -> dict of host-side summaries
+
+`levels` (static) is how deep this step's tree can reach; a proposer need not draft below
+it. Candidates are edges (parent candidate, token, score) in a static order with parents
+first, so drafts from different sources (per-depth head candidates, chains from a suffix
+match, the oracle's true future) can be concatenated and share one node budget in the tree
+builder. Exactness never depends on a proposer: it only decides what the verifier may accept.
+"""
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.model.transformer import Transformer
+from specroll_jax.rollout.sequences import Sequences
+
+
+@struct.dataclass
+class Candidates:
+  """Draft edges for the tree builder; candidate c hangs below candidate parent[c]."""
+  parent: jax.Array  # int32 [B, C] index of the parent candidate (< c); -1 = the root
+  tokens: jax.Array  # int32 [B, C]
+  scores: jax.Array  # float32 [B, C] estimated probability that the verifier accepts the edge
+
+  @property
+  def size(self) -> int:
+    return self.tokens.shape[1]
+
+  def concat(self, other: 'Candidates') -> 'Candidates':
+    """self's candidates, then other's (their parents shifted past self's)."""
+    shifted = jnp.where(other.parent >= 0, other.parent + self.size, -1)
+    return Candidates(parent=jnp.concatenate([self.parent, shifted], axis=1),
+                      tokens=jnp.concatenate([self.tokens, other.tokens], axis=1),
+                      scores=jnp.concatenate([self.scores, other.scores], axis=1))
+
+
+@struct.dataclass
+class Vocabulary:
+  """The policy's vocabulary projection W: logits of hidden states, and rows W[ids]."""
+  params: dict
+  config: ModelConfig = struct.field(pytree_node=False)
+
+  def logits(self, hidden) -> jax.Array:
+    return Transformer(self.config).apply({'params': self.params}, hidden,
+                                          method=Transformer.project)
+
+  def rows(self, ids) -> jax.Array:
+    return Transformer(self.config).apply({'params': self.params}, ids,
+                                          method=Transformer.vocab_rows)
+
+
+@struct.dataclass
+class StepContext:
+  """What a proposer may read at a step, per row."""
+  hidden: jax.Array  # [B, D] policy hidden state at the last verified position
+  seqs: Sequences    # the rows' output so far (positions, response ids, done) before the step
+  vocab: Vocabulary
+
+
+@struct.dataclass
+class Proposal:
+  candidates: Candidates
+  record: Any  # the proposer's own pytree, handed back to its observe
+
+
+@struct.dataclass
+class Feedback:
+  """What the verification walk learned this step, per row."""
+  drawn: jax.Array         # int32 [B, H] the verifier's draw at each depth (valid where drew)
+  drew: jax.Array          # bool [B, H] a running row's walk drew at this depth
+  accepted: jax.Array      # int32 [B] accepted nodes below the root
+  target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
+  target_probs: jax.Array  # float32 [B, H, M] their probabilities under the sampler
+  levels: int = struct.field(pytree_node=False)  # depths this step's tree could reach
+
+  @property
+  def in_tree(self) -> jax.Array:
+    """bool [B, H]: drew at a depth the tree had candidates for (the walk may draw one
+    level below the deepest node; that draw is the next step's root)."""
+    return self.drew & (jnp.arange(self.drew.shape[1]) < self.levels)[None, :]
+
+
+class Proposer(abc.ABC):
+  """Subclasses are frozen dataclasses (hashable: the jitted step's static argument)."""
+
+  @property
+  @abc.abstractmethod
+  def depth(self) -> int:
+    """Deepest level a candidate can sit at (the tree's depth H)."""
+
+  @property
+  @abc.abstractmethod
+  def num_candidates(self) -> int:
+    """C, the static number of candidates `propose` returns."""
+
+  @abc.abstractmethod
+  def init(self, batch: int, max_steps: int):
+    """Fresh per-row state for `batch` rows of responses of up to `max_steps` steps."""
+
+  @abc.abstractmethod
+  def propose(self, params, state, context: StepContext, levels: int) -> Proposal:
+    """Candidates for this step's tree."""
+
+  @abc.abstractmethod
+  def observe(self, params, state, context: StepContext, proposal: Proposal,
+              feedback: Feedback):
+    """The state after the verifier's feedback on `proposal`."""
+
+  def row_stats(self, state):
+    del state
+    return None
+
+  def summarize(self, stats: list, steps: list) -> dict:
+    """Host-side summaries of responses' row_stats (numpy leaves) and their engine steps."""
+    del stats, steps
+    return {}
