@@ -6,7 +6,7 @@ import numpy as np
 from specroll_jax.adapt import reflex
 from specroll_jax.adapt.reflex import ReflexConfig, ReflexState
 
-VOCAB, DIM, HEADS, SKETCH = 128, 64, 2, 16  # DIM as in stories260K
+VOCAB, DIM, HEADS, TOP = 128, 64, 2, 16  # DIM as in stories260K; TOP: proposal K and policy M
 
 
 def _kl(p, logits):
@@ -22,8 +22,8 @@ def test_feedback_moves_the_head_toward_the_policy():
     p = jax.nn.softmax(w @ (z + 0.8 * jax.random.normal(kp, (DIM,))))
     q = jax.nn.softmax(w @ z)
     for candidates in (VOCAB, 4):
-      ids_q = jnp.argsort(-q)[:SKETCH] if candidates < VOCAB else jnp.argsort(-q)
-      ids_p = jnp.argsort(-p)[:SKETCH]
+      ids_q = jnp.argsort(-q)[:TOP] if candidates < VOCAB else jnp.argsort(-q)
+      ids_p = jnp.argsort(-p)[:TOP]
       r, _, coverage = reflex.feedback(ids_q, jnp.log(q[ids_q]),
                                        jnp.arange(ids_q.shape[0]) < candidates, ids_p, p[ids_p],
                                        w[ids_q], w[ids_p], ReflexConfig())
@@ -40,17 +40,17 @@ def _run(config, targets_for_step, steps, heads=HEADS):
   Returns the state and the gate after every step.
   """
   w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
-  state = ReflexState.init(1, heads, DIM, SKETCH, steps)
+  state = ReflexState.init(1, heads, DIM, TOP, steps)
   gates = []
   for i in range(steps):
     proposal_logits, policy_logits = targets_for_step(i)
-    logq, ids = jax.lax.top_k(jax.nn.log_softmax(proposal_logits), SKETCH)
+    logq, ids = jax.lax.top_k(jax.nn.log_softmax(proposal_logits), TOP)
     root = jnp.array([10 + i])
     state = reflex.record_proposals(state, ids[None].astype(jnp.int32), logq[None], root,
                                     jnp.ones((1, heads), bool))
-    probs, ids_p = jax.lax.top_k(jax.nn.softmax(policy_logits), SKETCH)
-    target_ids = jnp.broadcast_to(ids_p.astype(jnp.int32), (1, heads, SKETCH))
-    target_probs = jnp.broadcast_to(probs, (1, heads, SKETCH))
+    probs, ids_p = jax.lax.top_k(jax.nn.softmax(policy_logits), TOP)
+    target_ids = jnp.broadcast_to(ids_p.astype(jnp.int32), (1, heads, TOP))
+    target_probs = jnp.broadcast_to(probs, (1, heads, TOP))
     reached = jnp.arange(heads)[None] < 1
     state = reflex.mature(config, state, target_ids, target_probs, reached, root, (4,) * heads,
                           lambda x: w[x])
@@ -92,17 +92,17 @@ def test_correction_respects_its_bound_and_corrects_toward_the_shift():
 
 def test_non_finite_values_reset_instead_of_spreading():
   config = ReflexConfig(gate_threshold=-1.0)
-  state = ReflexState.init(2, HEADS, DIM, SKETCH, 4)
+  state = ReflexState.init(2, HEADS, DIM, TOP, 4)
   state = state.replace(memory=state.memory.at[0].set(jnp.nan), matured=state.matured + 1)
   delta, _, relative = reflex.correction(config, state, jnp.ones((2, DIM)))
   assert bool(jnp.all(jnp.isfinite(delta))) and float(jnp.abs(delta[0]).max()) == 0.0
   assert float(relative[0].max()) == 0.0
   w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
   root = jnp.array([3, 3])
-  ids = jnp.tile(jnp.arange(SKETCH, dtype=jnp.int32), (2, HEADS, 1))
-  logq = jnp.full((2, HEADS, SKETCH), -np.log(SKETCH))
+  ids = jnp.tile(jnp.arange(TOP, dtype=jnp.int32), (2, HEADS, 1))
+  logq = jnp.full((2, HEADS, TOP), -np.log(TOP))
   state = reflex.record_proposals(state, ids, logq, root, jnp.ones((2, HEADS), bool))
-  state = reflex.mature(config, state, ids, jnp.exp(logq) * 0 + jnp.eye(SKETCH)[0], jnp.ones((2, HEADS), bool),
+  state = reflex.mature(config, state, ids, jnp.exp(logq) * 0 + jnp.eye(TOP)[0], jnp.ones((2, HEADS), bool),
                         root, (4,) * HEADS, lambda x: w[x])
   assert bool(jnp.all(jnp.isfinite(state.memory))) and bool(jnp.all(jnp.isfinite(state.reliability)))
   assert float(jnp.abs(state.memory[0, 0]).max()) == 0.0  # the NaN row was reset
@@ -111,17 +111,17 @@ def test_non_finite_values_reset_instead_of_spreading():
 
 def test_state_is_per_row_and_fresh_for_each_response():
   config = ReflexConfig(gate_threshold=-1.0)
-  state = ReflexState.init(3, HEADS, DIM, SKETCH, 8)
+  state = ReflexState.init(3, HEADS, DIM, TOP, 8)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state)
              if x.dtype == jnp.float32)
   assert bool(jnp.all(state.pending_position == -1))
   w = jax.random.normal(jax.random.key(0), (VOCAB, DIM))
-  ids = jnp.tile(jnp.arange(SKETCH, dtype=jnp.int32), (3, HEADS, 1))
-  logq = jnp.full((3, HEADS, SKETCH), -np.log(SKETCH))
+  ids = jnp.tile(jnp.arange(TOP, dtype=jnp.int32), (3, HEADS, 1))
+  logq = jnp.full((3, HEADS, TOP), -np.log(TOP))
   root = jnp.array([5, 5, 5])
   only_row_1 = jnp.array([[False] * HEADS, [True] * HEADS, [False] * HEADS])
   state = reflex.record_proposals(state, ids, logq, root, only_row_1)
-  state = reflex.mature(config, state, ids, jnp.broadcast_to(jnp.eye(SKETCH)[1], logq.shape),
+  state = reflex.mature(config, state, ids, jnp.broadcast_to(jnp.eye(TOP)[1], logq.shape),
                         jnp.ones((3, HEADS), bool), root, (4,) * HEADS, lambda x: w[x])
   assert float(state.matured[1, 0]) == 1.0
   for row in (0, 2):

@@ -19,7 +19,6 @@ HEADS = 3
 
 def _window(acceptance, regret, proposed=(True,) * HEADS):
   return WindowStats(acceptance=np.full(HEADS, acceptance, np.float32),
-                     accepted_depth=np.zeros(HEADS, np.float32),
                      regret=np.full(HEADS, regret, np.float32), proposed=np.array(proposed))
 
 

@@ -1,9 +1,9 @@
 """Slow path, first half: the monitor that decides when a head has degraded (METHOD.md 5).
 
-A window is one rollout batch. Per head the monitor reads three numbers from the engine's
-own verifier feedback: acceptance (how often the verifier's draw at that depth was one of
-the head's candidates, whatever the tree's budget), accepted depth (tokens accepted per
-step), and candidate regret (policy mass outside the head's candidates). After every update
+A window is one rollout batch. Per head the monitor reads two numbers from the head
+proposer's own verifier feedback: acceptance (how often the verifier's draw at that depth
+was one of the head's candidates, whatever the tree's budget) and candidate regret (policy
+mass outside the head's candidates). After every update
 (and at the start) a baseline is calibrated over a few windows. A head triggers only when
 its acceptance sits >= `drop` below its baseline *and* its regret's robust z-score against
 the calibrated history exceeds `regret_z` for `patience` consecutive windows, and not while
@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from flax import struct
 
-from specroll_jax.spec.engine import TreeStats
 from specroll_jax.spec.head_proposer import HeadStats
 
 
@@ -40,22 +39,18 @@ class MonitorConfig:
 class WindowStats:
   """One rollout batch's per-head feedback (numpy arrays [H])."""
   acceptance: np.ndarray
-  accepted_depth: np.ndarray
   regret: np.ndarray
   proposed: np.ndarray  # bool: the head proposed at a depth the verifier drew this window
 
 
-def window_stats(heads: list[HeadStats], trees: list[TreeStats], steps: int,
-                 branching) -> WindowStats:
-  """Per head over a batch of speculative responses' row statistics (numpy leaves) and
-  the engine steps they took."""
+def window_stats(heads: list[HeadStats], branching) -> WindowStats:
+  """Per head over a batch of speculative responses' head statistics (numpy leaves)."""
   reached = np.sum([s.reached for s in heads], axis=0)
   hits = np.sum([s.hits for s in heads], axis=0)
   candidates = np.arange(hits.shape[1])[None, :] < np.asarray(branching)[:, None]
   denominator = np.maximum(reached, 1)
   return WindowStats(
       acceptance=np.sum(hits * candidates, axis=1) / denominator,
-      accepted_depth=np.sum([t.accepted for t in trees], axis=0) / max(steps, 1),
       regret=1.0 - np.sum([s.candidate_mass for s in heads], axis=0) / denominator,
       proposed=reached > 0)
 

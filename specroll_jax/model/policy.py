@@ -17,10 +17,6 @@ class Policy:
   params: dict
   tokenizer: object
 
-  @property
-  def model(self) -> Transformer:
-    return Transformer(self.config)
-
   def logits(self, token_ids) -> jax.Array:
     """Full-sequence forward: int [B, T] -> float32 logits [B, T, V]."""
     token_ids = jnp.asarray(token_ids, jnp.int32)

@@ -137,9 +137,8 @@ class HeadAdaptation:
   def update(self, heads: HeadsState, policy_params, responses, pairs, prompt_lengths, seed):
     """Returns (heads, metrics) after one rollout batch; `pairs` are the GRPO forward's
     harvest over whole rows, `prompt_lengths` the rows' prompt lengths."""
-    window = monitor.window_stats([self.proposer.head_stats(r.stats.proposer) for r in responses],
-                                  [r.stats.tree for r in responses],
-                                  sum(r.steps for r in responses), self.branching)
+    window = monitor.window_stats(
+        [self.proposer.head_stats(r.stats.proposer) for r in responses], self.branching)
     metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
                'head_regret': window.regret.round(4).tolist()}
     if not self.harvests:

@@ -75,7 +75,7 @@ def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig, probs=None)
   """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...].
 
   probs: `distribution(logits, sampler)` when the caller has already computed it (the
-  verifier also sketches it), so the transform (a sort under top-p) runs once.
+  verifier also keeps its top-M), so the transform (a sort under top-p) runs once.
   """
   if sampler.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

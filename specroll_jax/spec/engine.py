@@ -122,35 +122,37 @@ class SpecEngine(Engine):
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
     seqs, tc, depth = state.seqs, self.tree_config, self.proposer.depth
-    batch, running = seqs.done.shape[0], ~state.seqs.done
+    batch, running = seqs.done.shape[0], ~seqs.done
     width = self.tree_width(batch)
+    levels = min(depth, width - 1)  # a tree of N slots never reaches below depth N - 1
     positions = seqs.next_positions
     root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
                                             positions, self.sampler)
     context = StepContext(state.last_hidden, seqs, Vocabulary(params.policy, self.model_config))
-    levels = min(depth, width - 1)
     proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
     budget = tc.budget(tc.capacity(batch), jnp.sum(running), width)
     tree = build_tree(root, proposal.candidates, jnp.full((batch,), budget, jnp.int32), width,
                       depth)
-    verifier = Transformer(self.model_config, attention_implementation(self.tree_attention))
-    hidden, block = verifier.apply({'params': params.policy}, tree.tokens,
-                                   positions[:, None] + tree.depths, tree.ancestor_mask(depth),
-                                   state.cache)
+    hidden, block = self._verify_forward(params.policy, tree, positions, state.cache)
     result = walk(tree, hidden, context.vocab.logits, seed_key, seqs.response_ids, positions,
                   self.sampler, depth, self.model_config.vocab_size, self.top_m)
-    logprobs = jnp.concatenate([root_logprob[:, None], result.logprobs], axis=1)
-    seqs, kept = seqs.append(result.tokens, logprobs, result.accepted + 1, self.eos_ids)
-    last_node = result.path[jnp.arange(batch), result.accepted]
-    feedback = Feedback(drawn=result.drawn, drew=result.reached & running[:, None],
-                        accepted=result.accepted, target_ids=result.target_ids,
-                        target_probs=result.target_probs, levels=levels)
+    seqs, kept = seqs.append(result.tokens, jnp.concatenate([root_logprob[:, None],
+                                                             result.logprobs], axis=1),
+                             result.accepted + 1, self.eos_ids)
+    feedback = result.feedback(running, levels)
     return constrain_rows(self.mesh, SpecState(
         cache=commit(state.cache, block, result.path, kept), next_logits=result.last_logits,
-        last_hidden=jnp.take_along_axis(hidden, last_node[:, None, None], axis=1)[:, 0],
-        seqs=seqs, tree_stats=state.tree_stats.record(feedback, budget, running),
+        last_hidden=result.last_hidden(hidden), seqs=seqs,
+        tree_stats=state.tree_stats.record(feedback, budget, running),
         proposer=self.proposer.observe(params.proposer, state.proposer, context, proposal,
                                        feedback)))
+
+  def _verify_forward(self, policy_params, tree, positions, cache):
+    """Every tree node through the policy at once: positions = prefix length + depth, each
+    node attending to the cached prefix and its own ancestors."""
+    verifier = Transformer(self.model_config, attention_implementation(self.tree_attention))
+    return verifier.apply({'params': policy_params}, tree.tokens, positions[:, None] + tree.depths,
+                          tree.ancestor_mask(self.proposer.depth), cache)
 
   def row_stats(self, state: SpecState) -> SpecRowStats:
     return SpecRowStats(tree=state.tree_stats, proposer=self.proposer.row_stats(state.proposer))

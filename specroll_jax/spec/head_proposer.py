@@ -27,7 +27,6 @@ class CandidateTable:
   depth: np.ndarray       # [C] 1..H
   rank: np.ndarray        # [C] rank within its head's top-k
   parent: np.ndarray      # [C] candidate index of the parent, -1 for the root
-  path_ranks: np.ndarray  # [C, H] rank at each depth along the path, -1 past its depth
 
   @property
   def size(self) -> int:
@@ -35,23 +34,18 @@ class CandidateTable:
 
   @classmethod
   def build(cls, branching) -> 'CandidateTable':
-    depth, rank, parent, paths = [], [], [], []
-    frontier = [(-1, ())]
+    depth, rank, parent = [], [], []
+    frontier = [-1]
     for d, width in enumerate(branching, start=1):
       next_frontier = []
-      for parent_index, ranks in frontier:
+      for parent_index in frontier:
         for r in range(width):
           depth.append(d)
           rank.append(r)
           parent.append(parent_index)
-          paths.append(ranks + (r,))
-          next_frontier.append((len(depth) - 1, ranks + (r,)))
+          next_frontier.append(len(depth) - 1)
       frontier = next_frontier
-    path_ranks = np.full((len(paths), len(branching)), -1, np.int32)
-    for i, p in enumerate(paths):
-      path_ranks[i, :len(p)] = p
-    return cls(np.array(depth, np.int32), np.array(rank, np.int32), np.array(parent, np.int32),
-               path_ranks)
+    return cls(np.array(depth, np.int32), np.array(rank, np.int32), np.array(parent, np.int32))
 
 
 @dataclasses.dataclass(frozen=True)

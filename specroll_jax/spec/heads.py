@@ -102,7 +102,8 @@ def heads_metadata(directory) -> HeadsMetadata | None:
   except FileNotFoundError:
     raise FileNotFoundError(f'{path}: not found (train heads with experiments.train_heads)') from None
   except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ValueError(f'{path}: no valid heads metadata ({e})') from None
+    raise ValueError(f'{path}: no valid heads metadata ({e}); heads saved before metadata was '
+                     'typed need a new warm start (experiments.train_heads)') from None
 
 
 def has_heads(directory) -> bool:

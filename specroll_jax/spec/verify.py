@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specroll_jax.rollout import sampling
+from specroll_jax.spec.proposer import Feedback
 from specroll_jax.spec.tree import Tree
 
 
@@ -30,6 +31,17 @@ class WalkResult:
   reached: jax.Array       # bool [B, H] the walk drew at this depth
   target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
   target_probs: jax.Array  # float32 [B, H, M] their probabilities (the sampler's transform)
+
+  def last_hidden(self, hidden) -> jax.Array:
+    """[B, D] hidden state at each row's last accepted node (the next step's h_t)."""
+    last_node = self.path[jnp.arange(self.path.shape[0]), self.accepted]
+    return jnp.take_along_axis(hidden, last_node[:, None, None], axis=1)[:, 0]
+
+  def feedback(self, running, levels: int) -> Feedback:
+    """What proposers and statistics learn from this walk (draws of running rows only)."""
+    return Feedback(drawn=self.drawn, drew=self.reached & running[:, None],
+                    accepted=self.accepted, target_ids=self.target_ids,
+                    target_probs=self.target_probs, levels=levels)
 
 
 @struct.dataclass
