@@ -24,8 +24,10 @@ def get_config():
       checkpoint='',                     # '' = the W1 default policy (built if missing)
       cache_dir='workdir/policies',
       dtype='float32'))
+  # chat_template: prompts as a user turn through the tokenizer's chat template (instruct
+  # models); the W1 policy is a base model and reads raw prompts.
   c.task = ml_collections.ConfigDict(dict(
-      source='synthetic:hard', count=4096, data_dir='', split=''))
+      source='synthetic:hard', count=4096, data_dir='', split='', chat_template=False))
   c.rollout = ml_collections.ConfigDict(dict(
       engine='specroll', prompts_per_step=16, group_size=8, max_new_tokens=64,
       temperature=1.0, top_k=0, top_p=1.0, max_batch=128,

@@ -23,12 +23,16 @@ from specroll_jax.spec.heads import load_heads
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
+flags.DEFINE_bool('chat_template', False,
+                  'Each prompt as a user turn through the tokenizer\'s chat template '
+                  '(instruct models; base models keep raw prompts).')
 flags.DEFINE_integer('num_samples', 1, 'Responses per prompt (G).')
 flags.DEFINE_float('temperature', 1.0, 'Sampling temperature; 0 means greedy.')
 flags.DEFINE_integer('top_k', 0, 'Keep the k most likely tokens; 0 disables.')
 flags.DEFINE_float('top_p', 1.0, 'Nucleus mass; 1.0 disables.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Maximum generated tokens per response.')
-flags.DEFINE_integer('seed', 0, 'Rollout seed (see the randomness contract in sampling.py).')
+flags.DEFINE_integer('seed', 0,
+                     'Rollout seed (the randomness contract in specroll_jax/rollout/sampling.py).')
 flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
 flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll).')
 flags.DEFINE_integer('capacity_tokens', 0,
@@ -50,7 +54,7 @@ def main(argv):
   del argv
   policy = load_policy(FLAGS.checkpoint, dtype=FLAGS.dtype)
   texts = read_prompts(Path(FLAGS.prompts))
-  prompts = [policy.tokenizer.encode(t) for t in texts]
+  prompts = [policy.prompt_ids(t, FLAGS.chat_template) for t in texts]
   mesh = make_mesh(MeshConfig(data=FLAGS.mesh_data)) if FLAGS.mesh_data != 1 else None
   sampler = SamplerConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
   if mesh:

@@ -19,6 +19,9 @@ from specroll_jax.spec.heads import HeadsConfig
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('out', None, 'Directory to write the heads to.')
 flags.DEFINE_string('prompts', None, 'Optional JSONL prompts; default: generate from BOS.')
+flags.DEFINE_bool('chat_template', False,
+                  'Each prompt as a user turn through the tokenizer\'s chat template '
+                  '(instruct models; base models keep raw prompts).')
 flags.DEFINE_integer('num_sequences', 512, 'Training generations.')
 flags.DEFINE_integer('held_out', 64, 'Held-out generations for the agreement report.')
 flags.DEFINE_integer('max_new_tokens', 256, 'Tokens per generation.')
@@ -42,7 +45,8 @@ def main(argv):
   del argv
   policy = load_policy(FLAGS.checkpoint)
   if FLAGS.prompts:
-    prompts = [policy.tokenizer.encode(t) for t in read_prompts(Path(FLAGS.prompts))]
+    texts = read_prompts(Path(FLAGS.prompts))
+    prompts = [policy.prompt_ids(t, FLAGS.chat_template) for t in texts]
   else:
     prompts = [[policy.config.bos_token_id]]
   heads_config = HeadsConfig(FLAGS.num_heads, FLAGS.hidden_multiplier)

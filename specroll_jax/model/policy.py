@@ -24,6 +24,18 @@ class Policy:
       raise ValueError(f'token_ids must be [batch, time], got shape {token_ids.shape}')
     return full_sequence_logits(self.config, self.params, token_ids)
 
+  def prompt_ids(self, text: str, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: raw text for base models, or (chat_template) `text` as one user
+    turn through the tokenizer's chat template, ending where the assistant's reply starts."""
+    if not chat_template:
+      return self.tokenizer.encode(text)
+    if not getattr(self.tokenizer, 'chat_template', None):
+      raise ValueError(f'{self.tokenizer.name_or_path}: chat_template requested but this '
+                       'tokenizer has none (a base model: use raw prompts)')
+    return list(self.tokenizer.apply_chat_template([{'role': 'user', 'content': text}],
+                                                   add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)['input_ids'])
+
   def save(self, directory) -> None:
     checkpoint.save_params(Path(directory), self.config, self.params)
     if self.tokenizer is not None:

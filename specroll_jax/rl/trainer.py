@@ -168,6 +168,11 @@ class HeadAdaptation:
     return HeadsState(params=result.params, monitor=watch), metrics
 
 
+def prompt_ids(policy: Policy, c, task) -> list[int]:
+  """The one way task prompts (rollouts, the learner's width, warm-start data) become ids."""
+  return policy.prompt_ids(task.prompt, c.task.chat_template)
+
+
 def resolve_policy(c) -> Path:
   if c.policy.checkpoint:
     path = Path(c.policy.checkpoint)
@@ -182,12 +187,13 @@ def warm_start_heads(policy: Policy, c, tasks, workdir: Path, source: Path):
   workdir/heads); returns (heads config, params, directory)."""
   h = c.heads
   directory = workdir / 'heads'
-  prompts = [policy.tokenizer.encode(t.prompt) for t in tasks[:h.num_sequences + h.held_out]]
+  prompts = [prompt_ids(policy, c, t) for t in tasks[:h.num_sequences + h.held_out]]
   plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
                    max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                    seed=c.seed)
-  heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads), DistillConfig(steps=h.steps),
-                                      prompts, plan, directory, str(source))
+  heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads),
+                                      DistillConfig(steps=h.steps), prompts, plan, directory,
+                                      str(source))
   return heads_config, params, directory
 
 
@@ -229,7 +235,8 @@ def train(c, workdir) -> dict:
   policy_dir = resolve_policy(c)
   policy = load_policy(policy_dir, dtype=c.policy.dtype)
   tasks = load_tasks(c.task.source, count=c.task.count, seed=c.seed,
-                     data_dir=c.task.data_dir or None, split=c.task.split or None)
+                     data_dir=c.task.data_dir or None, split=c.task.split or None,
+                     chat=c.task.chat_template)
   if not tasks:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
   heads_dir = heads_config = adaptation = None
@@ -253,7 +260,7 @@ def train(c, workdir) -> dict:
     print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
   _truncate_metrics(metrics_path, int(state.step))
-  width = sequence_width(max(len(policy.tokenizer.encode(t.prompt)) for t in tasks),
+  width = sequence_width(max(len(prompt_ids(policy, c, t)) for t in tasks),
                          c.rollout.max_new_tokens, rollouts.driver.config.prompt_bucket_min)
   per_step = c.rollout.prompts_per_step
   last = {}
@@ -261,7 +268,7 @@ def train(c, workdir) -> dict:
     while int(state.step) < c.steps:
       step, position = int(state.step), int(state.data_position)
       batch_tasks = [tasks[(position + i) % len(tasks)] for i in range(per_step)]
-      prompts = [policy.tokenizer.encode(t.prompt) for t in batch_tasks]
+      prompts = [prompt_ids(policy, c, t) for t in batch_tasks]
       times = {}
       start = time.perf_counter()
       responses = rollouts.generate(state.policy, state.heads and state.heads.params, prompts,

@@ -100,7 +100,8 @@ def heads_metadata(directory) -> HeadsMetadata | None:
     raw = json.loads(path.read_text())['metadata']
     return None if raw is None else HeadsMetadata(**raw)
   except FileNotFoundError:
-    raise FileNotFoundError(f'{path}: not found (train heads with experiments.train_heads)') from None
+    raise FileNotFoundError(
+        f'{path}: not found (train heads with experiments.train_heads)') from None
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f'{path}: no valid heads metadata ({e}); heads saved before metadata was '
                      'typed need a new warm start (experiments.train_heads)') from None

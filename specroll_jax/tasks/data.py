@@ -12,6 +12,9 @@ Default prompt templates (override with `template=`; `{input}` marks the questio
                   It does not ask for the \\boxed{} answer the reward reads (models
                   tuned on MATH-style solutions box anyway); BOXED_TEMPLATE does.
   dapo            BOXED_TEMPLATE: asks for the final answer in \\boxed{}.
+With chat=True (instruct models) the prompt is the user turn a chat template wraps:
+  gsm8k           GSM8K_CHAT_TEMPLATE: the question, then end with '#### <number>'.
+  the others      BOXED_CHAT_TEMPLATE: the question, then the answer in \\boxed{}.
 """
 import dataclasses
 import json
@@ -29,6 +32,10 @@ GSM8K_TEMPLATE = ("Question:\n{input}\nSolve the problem step by step, then writ
                   "final numerical answer after '####'.\nAnswer:\n")
 BOXED_TEMPLATE = ('Solve the following math problem step by step. Put your final answer '
                   'within \\boxed{}.\n\n{input}\n')
+GSM8K_CHAT_TEMPLATE = ('{input}\n\nSolve the problem step by step. End your answer with '
+                       "'#### <number>', where <number> is the final numerical answer.")
+BOXED_CHAT_TEMPLATE = ('{input}\n\nSolve the problem step by step. Put your final answer '
+                       'within \\boxed{}.')
 
 _log = logging.getLogger(__name__)
 
@@ -82,6 +89,7 @@ class _Spec:
   question_field: str
   gold: Callable[[dict], str | None]
   template: str
+  chat_template: str = BOXED_CHAT_TEMPLATE
 
 
 def _eval_spec(file: str, gold=_answer_field) -> _Spec:
@@ -90,7 +98,7 @@ def _eval_spec(file: str, gold=_answer_field) -> _Spec:
 
 _SPECS = {
     'gsm8k': _Spec({'train': 'gsm8k/train.jsonl', 'test': 'gsm8k/test.jsonl'}, 'gsm8k',
-                   'question', _gsm8k_gold, GSM8K_TEMPLATE),
+                   'question', _gsm8k_gold, GSM8K_TEMPLATE, GSM8K_CHAT_TEMPLATE),
     'math': _Spec({'train': 'math/level3to5.jsonl'}, 'math', 'problem', _answer_field,
                   SIMPLERL_TEMPLATE),
     'dapo': _Spec({'train': 'dapo/dapo_math_17k.jsonl'}, 'dapo', 'problem', _answer_field,
@@ -105,7 +113,7 @@ DATASETS = tuple(_SPECS)
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, split: str | None = None,
-                 template: str | None = None) -> LoadedDataset:
+                 template: str | None = None, chat: bool = False) -> LoadedDataset:
   """Loads one split of a dataset as prompts with gold answers.
 
   Args:
@@ -114,6 +122,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, split: str | Non
     split: gsm8k has 'train' (default) and 'test'; math and dapo only 'train'; the
       eval sets (math500, aime24, amc23, minerva_math) only 'test'.
     template: prompt template with an `{input}` field; defaults to the dataset's.
+    chat: the default template is the dataset's user turn for a chat template.
 
   Raises:
     ValueError: unknown name or split, or a file with no valid row.
@@ -133,7 +142,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, split: str | Non
   if not path.is_file():
     raise FileNotFoundError(f'{name} {split} file not found: {path}')
 
-  template = template or spec.template
+  template = template or (spec.chat_template if chat else spec.template)
   if '{input}' not in template:
     raise ValueError(f'prompt template has no {{input}} field: {template!r}')
   examples, bad_lines = [], []
