@@ -1,11 +1,11 @@
 """The GRPO training loop: rollout (vanilla or SpecRoll) -> rewards -> GRPO update.
 
 Learner and rollout meet only through `Rollouts.generate(policy_params, head_params,
-prompts, seed)`, so
-the engine is a config switch and speculation changes nothing in GRPO. Everything needed to
-resume bit for bit (policy, optimizer state, heads, step, data position) is an Orbax
-checkpoint under workdir/checkpoints; the per-step rollout seed is derived from (seed,
-step), so a resumed run draws exactly what the uninterrupted one would have.
+prompts, seed)`, so the engine is a config switch and speculation changes nothing in GRPO.
+Everything needed to resume bit for bit (`TrainState`: policy, optimizer state, heads and
+the slow path's monitor, step, data position) is an Orbax checkpoint under
+workdir/checkpoints; the per-step rollout seed is `step_seed(c, step)`, so a resumed run
+draws exactly what the uninterrupted one would have.
 """
 import hashlib
 import json
