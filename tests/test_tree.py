@@ -14,8 +14,8 @@ def _rank_path_candidates(branching, tokens, scores):
   """Head-style candidates: every rank path, the edge into depth d scored by (d, rank)."""
   table = CandidateTable.build(branching)
   depth, rank = table.depth - 1, table.rank
-  return table, Candidates(parent=jnp.asarray(table.parent)[None], tokens=tokens[:, depth, rank],
-                           scores=scores[:, depth, rank])
+  return table, Candidates(tokens=tokens[:, depth, rank], scores=scores[:, depth, rank],
+                           parent=tuple(int(p) for p in table.parent))
 
 
 def test_budget_follows_concurrency():
@@ -93,8 +93,8 @@ def test_a_chain_merged_with_head_candidates_shares_the_budget():
   scores = jnp.array([[[0.6, 0.3], [0.5, 0.4]]])
   tokens = jnp.array([[[11, 12], [21, 22]]])
   _, heads = _rank_path_candidates((2, 2), tokens, scores)
-  chain = Candidates(parent=jnp.array([[-1, 0, 1]]), tokens=jnp.array([[31, 32, 33]]),
-                     scores=jnp.array([[0.9, 0.9, 0.9]]))
+  chain = Candidates(tokens=jnp.array([[31, 32, 33]]), scores=jnp.array([[0.9, 0.9, 0.9]]),
+                     parent=(-1, 0, 1))
   tree = build_tree(jnp.array([1]), chain.concat(heads), jnp.array([5]), 5, max_depth=3)
   # Path scores: chain 0.9, 0.81, 0.729 beat every head path (best 0.6, then 0.3).
   assert np.asarray(tree.tokens[0]).tolist() == [1, 31, 32, 33, 11]

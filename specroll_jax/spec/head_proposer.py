@@ -161,9 +161,8 @@ class HeadProposer(Proposer):
     rate = stats.acceptance_rate(self._prior(), d.prior_strength)
     edge = d.head_weight * guesses.probs + (1.0 - d.head_weight) * rate
     depth, rank = d.table.depth - 1, d.table.rank
-    batch = guesses.tokens.shape[0]
-    return Candidates(parent=jnp.broadcast_to(jnp.asarray(d.table.parent), (batch, d.table.size)),
-                      tokens=guesses.tokens[:, depth, rank], scores=edge[:, depth, rank])
+    return Candidates(tokens=guesses.tokens[:, depth, rank], scores=edge[:, depth, rank],
+                      parent=tuple(int(p) for p in d.table.parent))
 
   def propose(self, params, state: HeadStats, context: StepContext, levels: int) -> Proposal:
     guesses = self.guesses(self.head_states(params, context.hidden, levels), context)

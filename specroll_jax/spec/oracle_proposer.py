@@ -44,11 +44,8 @@ class OracleProposer(Proposer):
     future = seqs.num_generated[:, None] + jnp.arange(1, self.depth + 1)
     true = params.future_tokens.at[seqs.response_ids[:, None], future].get(
         mode='fill', fill_value=0)
-    batch = true.shape[0]
-    chain = Candidates(
-        parent=jnp.broadcast_to(jnp.arange(-1, self.depth - 1, dtype=jnp.int32),
-                                (batch, self.depth)),
-        tokens=true.astype(jnp.int32), scores=jnp.ones((batch, self.depth), jnp.float32))
+    chain = Candidates(tokens=true.astype(jnp.int32), scores=jnp.ones(true.shape, jnp.float32),
+                       parent=tuple(range(-1, self.depth - 1)))
     return Proposal(candidates=chain.concat(inner.candidates), record=inner.record)
 
   def observe(self, params: OracleParams, state, context, proposal, feedback):

@@ -30,21 +30,27 @@ from specroll_jax.rollout.sequences import Sequences
 
 @struct.dataclass
 class Candidates:
-  """Draft edges for the tree builder; candidate c hangs below candidate parent[c]."""
-  parent: jax.Array  # int32 [B, C] index of the parent candidate (< c); -1 = the root
+  """Draft edges for the tree builder; candidate c hangs below candidate parent[c].
+
+  The shape of the drafts (parent pointers) is static and shared by every row, as it is for
+  per-depth head candidates and for chains; what varies per row is each edge's token and
+  score (score 0: nothing to offer there). Static parents let the tree builder resolve
+  paths with static indexing instead of per-row gathers.
+  """
   tokens: jax.Array  # int32 [B, C]
   scores: jax.Array  # float32 [B, C] estimated probability that the verifier accepts the edge
+  parent: tuple = struct.field(pytree_node=False)  # [C] parent candidate (< c); -1 = root
 
   @property
   def size(self) -> int:
-    return self.tokens.shape[1]
+    return len(self.parent)
 
   def concat(self, other: 'Candidates') -> 'Candidates':
     """self's candidates, then other's (their parents shifted past self's)."""
-    shifted = jnp.where(other.parent >= 0, other.parent + self.size, -1)
-    return Candidates(parent=jnp.concatenate([self.parent, shifted], axis=1),
-                      tokens=jnp.concatenate([self.tokens, other.tokens], axis=1),
-                      scores=jnp.concatenate([self.scores, other.scores], axis=1))
+    shifted = tuple(p + self.size if p >= 0 else -1 for p in other.parent)
+    return Candidates(tokens=jnp.concatenate([self.tokens, other.tokens], axis=1),
+                      scores=jnp.concatenate([self.scores, other.scores], axis=1),
+                      parent=self.parent + shifted)
 
 
 @struct.dataclass

@@ -71,22 +71,31 @@ class Tree:
     return mask
 
 
-def _order_keys(candidates: Candidates, max_depth: int):
-  """(path log-score minus a depth tie-break, depth) per candidate: a child always ranks
-  strictly below its parent, because its log-score is its parent's plus a term <= 0.
+def _static_paths(parent: tuple):
+  """(ancestors [C, D] from depth 1 down to the candidate itself, -1 padded; depth [C])."""
+  chains = []
+  for c in range(len(parent)):
+    if parent[c] >= c:
+      raise ValueError(f'candidate {c} has parent {parent[c]}: parents must come first')
+    chains.append((chains[parent[c]] if parent[c] >= 0 else []) + [c])
+  depth = np.array([len(chain) for chain in chains], np.int32)
+  ancestors = np.full((len(parent), max(depth, default=1)), -1, np.int32)
+  for c, chain in enumerate(chains):
+    ancestors[c, :len(chain)] = chain
+  return ancestors, depth
 
-  Parents precede children, so `max_depth - 1` passes settle every path.
-  """
+
+def _order_keys(candidates: Candidates):
+  """(path log-score minus a depth tie-break, depth [C]) per candidate: a child always ranks
+  strictly below its parent, because its log-score is its parent's plus a term <= 0.
+  Terms are added from depth 1 down, so equal edges give bit-equal path scores."""
   edge = jnp.log(jnp.clip(candidates.scores, 1e-30, 1.0))
-  has_parent = candidates.parent >= 0
-  parent = jnp.maximum(candidates.parent, 0)
-  path, depth = edge, jnp.ones_like(candidates.parent)
-  for _ in range(max_depth - 1):
-    path = jnp.where(has_parent, edge + jnp.take_along_axis(path, parent, axis=1), edge)
-    depth = jnp.where(has_parent, 1 + jnp.take_along_axis(depth, parent, axis=1), 1)
-  # The tie-break per depth is rounded once from float64, as a static table would be.
-  tie_break = jnp.asarray(_DEPTH_TIE_BREAK * np.arange(max_depth + 1), jnp.float32)
-  return path - tie_break[depth], depth
+  ancestors, depth = _static_paths(candidates.parent)
+  total = jnp.zeros_like(edge)
+  for d in range(ancestors.shape[1]):
+    column = ancestors[:, d]
+    total = total + jnp.where(column >= 0, edge[:, np.maximum(column, 0)], 0.0)
+  return total - _DEPTH_TIE_BREAK * depth, depth
 
 
 def build_tree(root_tokens, candidates: Candidates, budget, width: int, max_depth: int) -> Tree:
@@ -98,18 +107,20 @@ def build_tree(root_tokens, candidates: Candidates, budget, width: int, max_dept
     budget: int32 [B], nodes allowed per row (root included), <= width.
   """
   batch = root_tokens.shape[0]
-  keys, depths = _order_keys(candidates, max_depth)
+  keys, depths = _order_keys(candidates)
+  if depths.max(initial=0) > max_depth:
+    raise ValueError(f'candidates reach depth {depths.max()} but the tree has {max_depth} levels')
   _, chosen = jax.lax.top_k(keys, width - 1)  # [B, N-1], best first
   rows = jnp.arange(batch)[:, None]
   node_of_candidate = jnp.zeros((batch, candidates.size), jnp.int32).at[rows, chosen].set(
       jnp.arange(1, width, dtype=jnp.int32))
-  parent_candidate = candidates.parent[rows, chosen]
+  parent_candidate = jnp.asarray(candidates.parent, jnp.int32)[chosen]
   parent = jnp.where(parent_candidate < 0, 0,
                      node_of_candidate[rows, jnp.maximum(parent_candidate, 0)])
   zero = jnp.zeros((batch, 1), jnp.int32)
   return Tree(
       tokens=jnp.concatenate([root_tokens[:, None], candidates.tokens[rows, chosen]], axis=1),
       parents=jnp.concatenate([zero, parent], axis=1),
-      depths=jnp.concatenate([zero, depths[rows, chosen]], axis=1),
+      depths=jnp.concatenate([zero, jnp.asarray(depths)[chosen]], axis=1),
       valid=jnp.arange(width)[None, :] < budget[:, None],
       candidate=jnp.concatenate([zero - 1, chosen.astype(jnp.int32)], axis=1))
