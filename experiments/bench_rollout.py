@@ -26,7 +26,7 @@ from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.factory import eos_ids, head_proposer, make_engine, tree_config
+from specroll_jax.spec.factory import head_proposer, make_engine, tree_config
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
@@ -39,7 +39,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w2.py')
 
 def story_openings(policy, count, length, seed):
   """The first `length` tokens of `count` stories the policy writes from BOS."""
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), eos_ids(policy))
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), policy.eos_ids)
   stories = Driver(engine, RolloutConfig(length, max_batch=64)).generate(
       policy.params, [[policy.config.bos_token_id]], count, seed)
   return [[policy.config.bos_token_id] + s.token_ids for s in stories]
@@ -66,7 +66,7 @@ def timed(fn, repeats):
 def compare(policy, heads_config, heads, prompts, c, tree, sampler):
   """One side-by-side run of the three engines on `prompts`."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=max(len(prompts), 1))
-  vanilla = Driver(VanillaEngine(policy.config, sampler, eos_ids(policy)), rollout)
+  vanilla = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout)
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))
   spec_engine = make_engine(policy, 'specroll', sampler, proposer=heads_proposer, tree=tree)

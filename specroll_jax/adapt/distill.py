@@ -182,8 +182,8 @@ def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts
   """Samples the policy's own generations and self-distils fresh heads on them."""
   total = plan.num_sequences + plan.held_out
   prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
-  eos = () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=plan.temperature), eos)
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=plan.temperature),
+                         policy.eos_ids)
   driver = Driver(engine, RolloutConfig(plan.max_new_tokens, max_batch=64))
   with tqdm(total=total, desc='generating', file=sys.stderr) as bar:
     responses = driver.generate(policy.params, prompt_rows, 1, plan.seed, progress=bar)

@@ -24,6 +24,11 @@ class Policy:
       raise ValueError(f'token_ids must be [batch, time], got shape {token_ids.shape}')
     return full_sequence_logits(self.config, self.params, token_ids)
 
+  @property
+  def eos_ids(self) -> tuple:
+    """The token ids that end a response (none when config.json names no EOS)."""
+    return () if self.config.eos_token_id is None else (self.config.eos_token_id,)
+
   def prompt_ids(self, text: str, chat_template: bool) -> list[int]:
     """Token ids of a prompt: raw text for base models, or (chat_template) `text` as one user
     turn through the tokenizer's chat template, ending where the assistant's reply starts."""

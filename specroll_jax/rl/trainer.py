@@ -168,11 +168,6 @@ class HeadAdaptation:
     return HeadsState(params=result.params, monitor=watch), metrics
 
 
-def prompt_ids(policy: Policy, c, task) -> list[int]:
-  """The one way task prompts (rollouts, the learner's width, warm-start data) become ids."""
-  return policy.prompt_ids(task.prompt, c.task.chat_template)
-
-
 def resolve_policy(c) -> Path:
   if c.policy.checkpoint:
     path = Path(c.policy.checkpoint)
@@ -182,12 +177,12 @@ def resolve_policy(c) -> Path:
   return ensure_default_policy(c.policy.cache_dir)
 
 
-def warm_start_heads(policy: Policy, c, tasks, workdir: Path, source: Path):
-  """Heads self-distilled on the initial policy's own answers to task prompts (cached in
-  workdir/heads); returns (heads config, params, directory)."""
+def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Path):
+  """Heads self-distilled on the initial policy's own answers to the task prompts (token
+  ids; cached in workdir/heads); returns (heads config, params, directory)."""
   h = c.heads
   directory = workdir / 'heads'
-  prompts = [prompt_ids(policy, c, t) for t in tasks[:h.num_sequences + h.held_out]]
+  prompts = task_prompts[:h.num_sequences + h.held_out]
   plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
                    max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                    seed=c.seed)
@@ -239,9 +234,12 @@ def train(c, workdir) -> dict:
                      chat=c.task.chat_template)
   if not tasks:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
+  # Encoded once: rollouts, the learner's width and warm-start data all use these ids.
+  task_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in tasks]
   heads_dir = heads_config = adaptation = None
   if c.rollout.engine == 'specroll':
-    heads_config, heads, heads_dir = warm_start_heads(policy, c, tasks, workdir, policy_dir)
+    heads_config, heads, heads_dir = warm_start_heads(policy, c, task_prompts, workdir,
+                                                      policy_dir)
   rollouts = Rollouts(policy, c, heads_config, heads_dir)
   if heads_dir is not None:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
@@ -260,15 +258,16 @@ def train(c, workdir) -> dict:
     print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
   _truncate_metrics(metrics_path, int(state.step))
-  width = sequence_width(max(len(prompt_ids(policy, c, t)) for t in tasks),
+  width = sequence_width(max(len(p) for p in task_prompts),
                          c.rollout.max_new_tokens, rollouts.driver.config.prompt_bucket_min)
   per_step = c.rollout.prompts_per_step
   last = {}
   with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr) as bar:
     while int(state.step) < c.steps:
       step, position = int(state.step), int(state.data_position)
-      batch_tasks = [tasks[(position + i) % len(tasks)] for i in range(per_step)]
-      prompts = [prompt_ids(policy, c, t) for t in batch_tasks]
+      indices = [(position + i) % len(tasks) for i in range(per_step)]
+      batch_tasks = [tasks[i] for i in indices]
+      prompts = [task_prompts[i] for i in indices]
       times = {}
       start = time.perf_counter()
       responses = rollouts.generate(state.policy, state.heads and state.heads.params, prompts,

@@ -15,10 +15,6 @@ from specroll_jax.spec.tree import TreeConfig
 ENGINES = ('vanilla', 'specroll')
 
 
-def eos_ids(policy: Policy) -> tuple:
-  return () if policy.config.eos_token_id is None else (policy.config.eos_token_id,)
-
-
 def tree_config(policy: Policy, *, max_nodes: int, capacity_tokens: int = 0,
                 per_batch_capacity: bool = True) -> TreeConfig:
   """A fixed C_hw when capacity_tokens > 0, else the cached (or freshly measured) capacity
@@ -47,11 +43,11 @@ def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, proposer=N
                 tree: TreeConfig | None = None, mesh=None, tree_attention: str = 'xla'):
   """The engine `name` in ENGINES; specroll needs a proposer and a tree configuration."""
   if name == 'vanilla':
-    return VanillaEngine(policy.config, sampler, eos_ids(policy), mesh=mesh)
+    return VanillaEngine(policy.config, sampler, policy.eos_ids, mesh=mesh)
   if name != 'specroll':
     raise ValueError(f'unknown engine {name!r} (choose from {", ".join(ENGINES)})')
   if proposer is None or tree is None:
     raise ValueError('engine=specroll needs a proposer (heads from experiments.train_heads) '
                      'and a tree configuration')
-  return SpecEngine(policy.config, proposer, tree, sampler, eos_ids(policy), mesh=mesh,
+  return SpecEngine(policy.config, proposer, tree, sampler, policy.eos_ids, mesh=mesh,
                     tree_attention=tree_attention)

@@ -287,8 +287,7 @@ def train(config: PretrainConfig, policy_config: ModelConfig, data: Encoded) -> 
 
 def evaluate(policy: Policy, problems, max_new_tokens: int, desc: str) -> tuple[float, list]:
   """Greedy accuracy (rewards.score, gsm8k) and the completions, via the vanilla engine."""
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=0.0),
-                         (policy.config.eos_token_id,))
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=0.0), policy.eos_ids)
   driver = Driver(engine, RolloutConfig(max_new_tokens, max_batch=64))
   prompts = [policy.tokenizer.encode(synthetic_math.prompt(p.question)) for p in problems]
   with tqdm(total=len(prompts), desc=desc, file=sys.stderr) as bar:
