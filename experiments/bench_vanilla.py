@@ -2,13 +2,18 @@
 
   python -m experiments.bench_vanilla --out_dir=results/bench_vanilla
 
-Both engines sample at temperature 1 and must produce exactly max_new_tokens per response
-(EOS disabled), so both do the same number of decode steps. Each engine is warmed up once,
-then timed `--repeats` times, alternating engines; the ratio of medians is reported.
+Both engines get the same prompt token ids, sample at temperature 1 and must produce exactly
+max_new_tokens per response (EOS disabled), so both do the same number of decode steps.
+Each engine is warmed up once, then timed `--repeats` times, alternating engines; the ratio
+of medians is reported. Models: stories260K and a random 8.4M-parameter Llama on story
+openings (`--num_prompts` x `--max_new_tokens`), and W3, SmolLM2-135M-Instruct (imported
+with experiments.import_gguf) on GSM8K test questions through its chat template, at each
+batch size of `--w3_batches`.
 """
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +27,18 @@ from specroll_jax import load_policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.tasks.data import load_dataset
 from experiments.common import DEFAULT_CHECKPOINT
 
 flags.DEFINE_integer('num_prompts', 64, 'Prompts (one sample each) per generate call.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Generated tokens per response.')
 flags.DEFINE_integer('repeats', 3, 'Timed repetitions per engine.')
+flags.DEFINE_string('w3_dir', 'workdir/models/smollm2-135m-instruct',
+                    'The imported SmolLM2-135M-Instruct directory (experiments.import_gguf); '
+                    'empty skips W3.')
+flags.DEFINE_list('w3_batches', ['16', '4'], 'W3 batch sizes (GSM8K test questions).')
+flags.DEFINE_integer('w3_max_new_tokens', 128, 'Generated tokens per W3 response.')
+flags.DEFINE_string('data_dir', None, 'Shared data directory (default ../shared/data).')
 flags.DEFINE_string('out_dir', 'results/bench_vanilla', 'Where results.json and README.md go.')
 FLAGS = flags.FLAGS
 
@@ -57,25 +69,31 @@ def _time(fn, repeats):
   return times
 
 
-def bench_model(name: str, directory: Path) -> dict:
+def _left_padded(prompts: list[list[int]], pad_id: int):
+  width = max(len(p) for p in prompts)
+  ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):] = torch.tensor(p)
+    mask[i, width - len(p):] = 1
+  return {'input_ids': ids, 'attention_mask': mask}
+
+
+def bench_model(name: str, directory: Path, prompts: list[list[int]], new: int) -> dict:
   policy = load_policy(directory)
-  texts = [STORY_OPENINGS[i % len(STORY_OPENINGS)] for i in range(FLAGS.num_prompts)]
-  prompts = [policy.tokenizer.encode(t) for t in texts]
-  new = FLAGS.max_new_tokens
   engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), eos_ids=())
-  driver = Driver(engine, RolloutConfig(max_new_tokens=new, max_batch=FLAGS.num_prompts))
+  driver = Driver(engine, RolloutConfig(max_new_tokens=new, max_batch=len(prompts)))
   ours = lambda: driver.generate(policy.params, prompts, 1, seed=0)
 
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
   hf.eval()
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-  tokenizer.pad_token, tokenizer.padding_side = tokenizer.unk_token, 'left'
-  batch = tokenizer(texts, return_tensors='pt', padding=True)
+  pad_id = 0  # masked out by the attention mask; only its shape matters
+  batch = _left_padded(prompts, pad_id)
 
   def theirs():
     with torch.no_grad():
       return hf.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+                         max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
 
   assert all(len(r.token_ids) == new for r in ours())
   assert theirs().shape[1] == batch['input_ids'].shape[1] + new
@@ -83,28 +101,54 @@ def bench_model(name: str, directory: Path) -> dict:
   for _ in range(FLAGS.repeats):
     ours_t += _time(ours, 1)
     theirs_t += _time(theirs, 1)
-  tokens = FLAGS.num_prompts * new
+  tokens = len(prompts) * new
   ours_s, theirs_s = statistics.median(ours_t), statistics.median(theirs_t)
   params = sum(x.size for x in jax.tree.leaves(policy.params))
-  return {'model': name, 'parameters': int(params), 'batch': FLAGS.num_prompts,
+  return {'model': name, 'parameters': int(params), 'batch': len(prompts),
+          'prompt_tokens': [len(p) for p in prompts],
           'new_tokens': new, 'ours_seconds': ours_t, 'hf_generate_seconds': theirs_t,
           'ours_tokens_per_s': tokens / ours_s, 'hf_tokens_per_s': tokens / theirs_s,
           'speedup_vs_hf_generate': theirs_s / ours_s}
 
 
+def story_prompts(directory: Path) -> list[list[int]]:
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+  return [tokenizer.encode(STORY_OPENINGS[i % len(STORY_OPENINGS)])
+          for i in range(FLAGS.num_prompts)]
+
+
+def gsm8k_chat_prompts(directory: Path, count: int) -> list[list[int]]:
+  """The first `count` GSM8K test questions as chat user turns (the GRPO task prompt)."""
+  policy = load_policy(directory)
+  examples = load_dataset('gsm8k', FLAGS.data_dir, split='test', chat=True).examples[:count]
+  return [policy.prompt_ids(e.prompt, chat_template=True) for e in examples]
+
+
 def main(argv):
   del argv
+  new = FLAGS.max_new_tokens
   with tempfile.TemporaryDirectory() as tmp:
-    rows = [bench_model('stories260K', DEFAULT_CHECKPOINT),
-            bench_model('random-llama-7M', _random_llama_dir(Path(tmp)))]
+    random_dir = _random_llama_dir(Path(tmp))
+    rows = [bench_model('stories260K', DEFAULT_CHECKPOINT, story_prompts(DEFAULT_CHECKPOINT), new),
+            bench_model('random-llama-7M', random_dir, story_prompts(random_dir), new)]
+  if FLAGS.w3_dir:
+    w3 = Path(FLAGS.w3_dir)
+    if not (w3 / 'config.json').is_file():
+      raise FileNotFoundError(f'{w3}: no imported SmolLM2 (run experiments.import_gguf, or '
+                              'pass --w3_dir= to skip W3)')
+    for batch in map(int, FLAGS.w3_batches):
+      rows.append(bench_model('smollm2-135m-instruct', w3, gsm8k_chat_prompts(w3, batch),
+                              FLAGS.w3_max_new_tokens))
   out = Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  result = {'command': 'python -m experiments.bench_vanilla',
+  command = ' '.join(['python -m experiments.bench_vanilla'] + sys.argv[1:])
+  result = {'command': command,
             'backend': jax.default_backend(), 'cpu_count': torch.get_num_threads(),
             'machine': platform.processor() or platform.machine(),
             'jax': jax.__version__, 'torch': torch.__version__,
             'transformers': transformers.__version__,
-            'speedup_vs_hf_generate': {r['model']: r['speedup_vs_hf_generate'] for r in rows},
+            'speedup_vs_hf_generate': {f"{r['model']}@{r['batch']}": r['speedup_vs_hf_generate']
+                                       for r in rows},
             'models': rows}
   (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
   lines = ['| model | params | batch x new | ours tok/s | HF generate tok/s | speedup |',
@@ -115,7 +159,7 @@ def main(argv):
                  f"{r['speedup_vs_hf_generate']:.2f}x |")
   table = '\n'.join(lines)
   (out / 'README.md').write_text(
-      f'# Vanilla engine vs transformers generate\n\nCommand: `python -m experiments.bench_vanilla`'
+      f'# Vanilla engine vs transformers generate\n\nCommand: `{command}`'
       f' ({jax.default_backend()}, {torch.get_num_threads()} torch threads)\n\n{table}\n')
   print(table)
 

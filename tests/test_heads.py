@@ -50,3 +50,46 @@ def test_distillation_improves_heads_and_leaves_the_policy_alone(stories_policy)
   params, after = distill.train_heads(policy, heads_config, config, batch)
   assert after < 0.7 * before
   jax.tree.map(np.testing.assert_array_equal, policy.params, policy_before)
+
+
+def _dense_head_losses(heads_config, model_config, head_params, policy_params, batch):
+  """The plain reference: every head's full-vocabulary log-softmax at every position."""
+  from specroll_jax.model.transformer import Transformer
+  z = apply_heads(heads_config, model_config, head_params, batch.hidden)
+  logq = jax.nn.log_softmax(Transformer(model_config).apply(
+      {'params': policy_params}, z, method=Transformer.project), axis=-1)
+  width = batch.tokens.shape[1]
+  kls, ces, counts = [], [], []
+  for k in range(1, heads_config.num_heads + 1):
+    lq = logq[:, :width - k - 1, k - 1]
+    target_logp = batch.target_logp[:, k:width - 1]
+    mask = batch.valid[:, k + 1:] & batch.valid[:, :width - k - 1]
+    kl = jnp.sum(jnp.exp(target_logp) * (
+        target_logp - jnp.take_along_axis(lq, batch.target_ids[:, k:width - 1], axis=-1)), -1)
+    ce = -jnp.take_along_axis(lq, batch.tokens[:, k + 1:, None], axis=-1)[..., 0]
+    kls.append(jnp.sum(jnp.where(mask, kl, 0.0)))
+    ces.append(jnp.sum(jnp.where(mask, ce, 0.0)))
+    counts.append(jnp.sum(mask))
+  return jnp.stack(kls), jnp.stack(ces), jnp.stack(counts)
+
+
+def test_streamed_head_losses_and_gradients_equal_the_dense_reference(stories_policy,
+                                                                      monkeypatch):
+  from specroll_jax.model import vocab_chunks
+  policy = stories_policy
+  heads_config = HeadsConfig(num_heads=3)
+  params = init_heads(heads_config, policy.config, seed=1)
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),
+                        params)
+  rng = np.random.default_rng(0)
+  sequences = [list(rng.integers(3, 500, n)) for n in (20, 13, 17)]  # ragged: padding masked
+  # 7 rows of 512 logits per chunk: 3 x 24 x 3 rows need 31 chunks, the last one padded.
+  monkeypatch.setattr(vocab_chunks, 'MAX_CHUNK_LOGITS', 7 * policy.config.vocab_size)
+  batch = distill.build_batch(policy.config, policy.params, sequences, 24, 8)
+  streamed = lambda p: distill.head_losses(heads_config, policy.config, p, policy.params, batch)
+  dense = lambda p: _dense_head_losses(heads_config, policy.config, p, policy.params, batch)
+  for got, want in zip(streamed(params), dense(params)):
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+  total = lambda losses: lambda p: jnp.sum(losses(p)[0] + losses(p)[1])
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6),
+               jax.grad(total(streamed))(params), jax.grad(total(dense))(params))

@@ -60,8 +60,8 @@ def _per_head(tree, mask):
 
 def _loss(heads_config, model_config, config: ConsolidationConfig, mask, anchor, head_params,
           policy_params, batch):
-  kl, ce, count = distill.head_losses(heads_config, model_config, _distill_config(config),
-                                      head_params, policy_params, batch)
+  kl, ce, count = distill.head_losses(heads_config, model_config, head_params, policy_params,
+                                      batch)
   per_head = (kl + config.ce_weight * ce) / jnp.maximum(count, 1)
   distance = jax.tree.map(lambda p, a: jnp.mean(jnp.square(p - a).reshape(p.shape[0], -1), 1),
                           head_params, anchor)
@@ -94,8 +94,8 @@ def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig,
 def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_params,
                 batch: HeadPairs):
   """Mean KL(p || q_k) per head on held-out pairs [H]."""
-  kl, _, count = distill.head_losses(heads_config, model_config, DistillConfig(), head_params,
-                                     policy_params, batch)
+  kl, _, count = distill.head_losses(heads_config, model_config, head_params, policy_params,
+                                     batch)
   return kl / jnp.maximum(count, 1)
 
 

@@ -17,7 +17,8 @@ import optax
 from tqdm import tqdm
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.model.transformer import padded_sequence_hidden
+from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
@@ -41,9 +42,10 @@ class DistillConfig:
 def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
   """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
   hidden, _, _ = padded_sequence_hidden(model_config, params, tokens)
-  logits = Transformer(model_config).apply({'params': params}, hidden,
-                                           method=Transformer.project)
-  return (hidden, *top_targets(logits, top_k))
+  batch, width, dim = hidden.shape
+  ids, logp = map_projected(model_config, params, hidden.reshape(-1, dim),
+                            lambda logits: top_targets(logits, top_k))
+  return hidden, ids.reshape(batch, width, top_k), logp.reshape(batch, width, top_k)
 
 
 def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,
@@ -59,35 +61,48 @@ def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], w
                       tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
 
 
-def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, config: DistillConfig,
-                head_params, policy_params, batch: HeadPairs):
-  """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
+def _shifted(x, shift: int):
+  """x[:, t + shift] at t (zeros past the end), so row t lines up with its horizon."""
+  tail = jnp.zeros((x.shape[0], shift) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, shift:], tail], axis=1)
+
+
+def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
+                    policy_params, batch: HeadPairs):
+  """log q_{t,k} at head k's targets: (at the policy's top-K [B, T, H, K], at the realised
+  token [B, T, H], mask [B, T, H] of positions whose horizon t+k+1 is a real token)."""
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)  # [B, T, H, D]
-  logits = Transformer(model_config).apply({'params': policy_params}, z,
-                                           method=Transformer.project)
-  logq = jax.nn.log_softmax(logits, axis=-1)
-  width = batch.tokens.shape[1]
-  kls, ces, counts = [], [], []
-  for k in range(1, heads_config.num_heads + 1):
-    # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
-    lq = logq[:, :width - k - 1, k - 1]
-    target_logp = batch.target_logp[:, k:width - 1]
-    target_ids = batch.target_ids[:, k:width - 1]
-    realised = batch.tokens[:, k + 1:]
-    mask = batch.valid[:, k + 1:] & batch.valid[:, :width - k - 1]
-    q_at_targets = jnp.take_along_axis(lq, target_ids, axis=-1)
-    kl = jnp.sum(jnp.exp(target_logp) * (target_logp - q_at_targets), axis=-1)
-    ce = -jnp.take_along_axis(lq, realised[..., None], axis=-1)[..., 0]
-    kls.append(jnp.sum(jnp.where(mask, kl, 0.0)))
-    ces.append(jnp.sum(jnp.where(mask, ce, 0.0)))
-    counts.append(jnp.sum(mask))
-  return jnp.stack(kls), jnp.stack(ces), jnp.stack(counts)
+  batch_size, width, num_heads, dim = z.shape
+  # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
+  horizons = range(1, num_heads + 1)
+  ids = jnp.stack([jnp.concatenate([_shifted(batch.target_ids, k),
+                                    _shifted(batch.tokens, k + 1)[..., None]], axis=-1)
+                   for k in horizons], axis=2)  # [B, T, H, K + 1]
+  mask = jnp.stack([_shifted(batch.valid, k + 1) & batch.valid for k in horizons], axis=2)
+  log_q = map_projected(
+      model_config, policy_params, z.reshape(-1, dim),
+      lambda logits, row_ids: (jnp.take_along_axis(logits, row_ids, axis=-1)
+                               - jax.nn.logsumexp(logits, axis=-1, keepdims=True)),
+      ids.reshape(-1, ids.shape[-1])).reshape(ids.shape)
+  return log_q[..., :-1], log_q[..., -1], mask
+
+
+def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
+                policy_params, batch: HeadPairs):
+  """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
+  q_at_targets, q_realised, mask = _head_log_probs(heads_config, model_config, head_params,
+                                                   policy_params, batch)
+  num_heads = mask.shape[2]
+  target_logp = jnp.stack([_shifted(batch.target_logp, k) for k in range(1, num_heads + 1)],
+                          axis=2)  # [B, T, H, K]
+  kl = jnp.sum(jnp.exp(target_logp) * (target_logp - q_at_targets), axis=-1)
+  masked_sum = lambda x: jnp.sum(jnp.where(mask, x, 0.0), axis=(0, 1))
+  return masked_sum(kl), masked_sum(-q_realised), jnp.sum(mask, axis=(0, 1))
 
 
 def distill_loss(heads_config, model_config, config: DistillConfig, head_params, policy_params,
                  batch: HeadPairs):
-  kl, ce, count = head_losses(heads_config, model_config, config, head_params, policy_params,
-                              batch)
+  kl, ce, count = head_losses(heads_config, model_config, head_params, policy_params, batch)
   weights = config.head_decay ** jnp.arange(1, heads_config.num_heads + 1)
   per_head = (kl + config.ce_weight * ce) / jnp.maximum(count, 1)
   return jnp.sum(weights * per_head) / jnp.sum(weights)
@@ -117,18 +132,15 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
   seed the tree's online (head, rank) acceptance statistics.
   """
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)
-  logits = Transformer(model_config).apply({'params': policy_params}, z,
-                                           method=Transformer.project)
-  _, guesses = jax.lax.top_k(logits, ranks)  # [B, T, H, ranks]
-  width = batch.tokens.shape[1]
-  hits, counts = [], []
-  for k in range(1, heads_config.num_heads + 1):
-    realised = batch.tokens[:, k + 1:]
-    mask = batch.valid[:, k + 1:] & batch.valid[:, :width - k - 1]
-    match = (guesses[:, :width - k - 1, k - 1] == realised[..., None]) & mask[..., None]
-    hits.append(jnp.sum(match, axis=(0, 1)))
-    counts.append(jnp.sum(mask))
-  return jnp.stack(hits), jnp.stack(counts)
+  batch_size, width, num_heads, dim = z.shape
+  guesses = map_projected(model_config, policy_params, z.reshape(-1, dim),
+                          lambda logits: jax.lax.top_k(logits, ranks)[1])
+  guesses = guesses.reshape(batch_size, width, num_heads, ranks)
+  horizons = range(1, num_heads + 1)
+  realised = jnp.stack([_shifted(batch.tokens, k + 1) for k in horizons], axis=2)
+  mask = jnp.stack([_shifted(batch.valid, k + 1) & batch.valid for k in horizons], axis=2)
+  match = (guesses == realised[..., None]) & mask[..., None]
+  return jnp.sum(match, axis=(0, 1)), jnp.sum(mask, axis=(0, 1))
 
 
 def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_k: int,

@@ -15,8 +15,23 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
+# Cache windows are multiples of this many slots (and at most _MAX_WINDOWS of them).
+_WINDOW_QUANTUM = 16
+_MAX_WINDOWS = 4
+
+
+def cache_windows(cache_slots: int) -> tuple[int, ...]:
+  """The static prefixes of a cache that attention may read: S/4, S/2, 3S/4, S (rounded)."""
+  step = max(_WINDOW_QUANTUM, -(-cache_slots // _MAX_WINDOWS // _WINDOW_QUANTUM) * _WINDOW_QUANTUM)
+  return tuple(range(step, cache_slots, step)) + (cache_slots,)
+
+
 def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *, scale):
   """Grouped-query attention of a query block over cache prefix + block.
+
+  Reads only the smallest cache window holding every row's valid slots (a `lax.switch`
+  over `cache_windows`, so the compiled shapes stay fixed): early decode steps do not pay
+  for slots that no row has filled yet. Slots past a row's length are masked either way.
 
   Args:
     q: [B, T, H, Dh] queries (RoPE already applied).
@@ -29,6 +44,17 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
   Returns:
     [B, T, H, Dh] attention output in q's dtype.
   """
+  windows = cache_windows(k_cache.shape[2])
+  attend = lambda window: lambda *args: _attention(
+      q, args[0][:, :, :window], args[1][:, :, :window], *args[2:], scale=scale)
+  operands = (k_cache, v_cache, cache_lengths, k_block, v_block, block_mask)
+  if len(windows) == 1:
+    return attend(windows[0])(*operands)
+  needed = jnp.searchsorted(jnp.asarray(windows), jnp.max(cache_lengths))
+  return jax.lax.switch(needed, [attend(w) for w in windows], *operands)
+
+
+def _attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *, scale):
   batch, t_len, num_heads, head_dim = q.shape
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv

@@ -7,7 +7,6 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specroll_jax.model.kv_cache import KVCache
 
 # Megatron-style split: column-parallel in-projections, row-parallel out-projections.
 PARAM_RULES = (
@@ -61,17 +60,9 @@ def _row_spec(leaf) -> P:
 
 
 def constrain_rows(mesh: Mesh | None, tree):
-  """Pins every per-row array of a rollout state to the 'data' axis (KV caches on axis 1)."""
+  """Pins every per-row array of a rollout state (KV cache layers included) to 'data'."""
   if mesh is None:
     return tree
-
-  def constrain(node):
-    if isinstance(node, KVCache):
-      kv_spec = NamedSharding(mesh, P(None, 'data'))
-      return KVCache(k=jax.lax.with_sharding_constraint(node.k, kv_spec),
-                     v=jax.lax.with_sharding_constraint(node.v, kv_spec),
-                     lengths=jax.lax.with_sharding_constraint(
-                         node.lengths, NamedSharding(mesh, P('data'))))
-    return jax.lax.with_sharding_constraint(node, NamedSharding(mesh, _row_spec(node)))
-
-  return jax.tree.map(constrain, tree, is_leaf=lambda x: isinstance(x, KVCache))
+  return jax.tree.map(
+      lambda node: jax.lax.with_sharding_constraint(node, NamedSharding(mesh, _row_spec(node))),
+      tree)

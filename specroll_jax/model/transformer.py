@@ -116,8 +116,7 @@ class Transformer(nn.Module):
     c = self.config
     batch = tokens.shape[0]
     if cache is None:
-      empty = jnp.zeros((c.num_layers, batch, c.num_kv_heads, 0, c.head_dim), c.jnp_dtype)
-      cache = KVCache(k=empty, v=empty, lengths=jnp.zeros((batch,), jnp.int32))
+      cache = KVCache.zeros(c, batch, 0)
     x = self.embed_tokens(tokens)
     rope = rope_tables(positions, c)
     ks, vs = [], []
@@ -125,7 +124,7 @@ class Transformer(nn.Module):
       x, k, v = layer(x, rope, block_mask, cache.k[i], cache.v[i], cache.lengths)
       ks.append(k)
       vs.append(v)
-    return self.norm(x), BlockKV(k=jnp.stack(ks), v=jnp.stack(vs))
+    return self.norm(x), BlockKV(k=tuple(ks), v=tuple(vs))
 
   def project(self, hidden):
     """float32 logits through the (possibly tied) vocabulary projection."""

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax.model.kv_cache import KVCache
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.rollout.buckets import batch_buckets, sequence_width
 from specroll_jax.rollout.response import FINISH_EOS, FINISH_LENGTH, Response
@@ -28,9 +27,8 @@ class RolloutConfig:
 
 
 def take_rows(tree, rows: jax.Array):
-  """Gathers batch rows of a rollout state; a KV cache knows its own batch axis."""
-  return jax.tree.map(lambda node: node.take(rows) if isinstance(node, KVCache) else node[rows],
-                      tree, is_leaf=lambda x: isinstance(x, KVCache))
+  """Gathers batch rows of a rollout state (every leaf, KV cache layers included, is row-major)."""
+  return jax.tree.map(lambda node: node[rows], tree)
 
 
 class Driver:

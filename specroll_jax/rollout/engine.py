@@ -15,11 +15,17 @@ import jax.numpy as jnp
 
 from specroll_jax.rollout import response
 
+# XLA:CPU's default copy insertion copies every loop-carried KV-cache layer twice per step
+# (it cannot prove that the attention reads precede the commit's in-place write); its region
+# analysis proves it. W3 at B=16: 189 -> 131 ms per decode step, identical outputs. The
+# option is part of XLA's DebugOptions for every backend; only the CPU backend reads it.
+LOOP_COMPILER_OPTIONS = {'xla_cpu_copy_insertion_use_region_analysis': True}
+
 
 class Engine:
   """Base of the vanilla and speculative engines (subclasses are frozen dataclasses)."""
 
-  @partial(jax.jit, static_argnums=0)
+  @partial(jax.jit, static_argnums=0, compiler_options=LOOP_COMPILER_OPTIONS)
   def run(self, params, state, seed_key, stop_at_active):
     def keep_going(s):
       running = jnp.sum(~s.seqs.done)
