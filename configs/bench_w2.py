@@ -12,8 +12,13 @@ def get_config():
   c.checkpoint = str(DEFAULT_CHECKPOINT)
   c.heads_dir = 'workdir/heads_stories260K'  # trained (and cached) here when missing
   c.heads = ml_collections.ConfigDict(dict(
-      num_heads=4, num_sequences=512, held_out=64, max_new_tokens=256, steps=800, seed=0))
+      prompts='bos', num_heads=4, num_sequences=512, held_out=64, max_new_tokens=256,
+      steps=800, batch_size=32, seed=0))
+  c.prompts = 'story_openings'
+  c.chat_template = False
+  c.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.num_prompts = 64
+  c.samples_per_prompt = 1
   c.opening_tokens = 6       # openings = the first tokens of the policy's own stories
   c.opening_seed = 1234      # different from the heads' training seed
   c.max_new_tokens = 256
@@ -25,5 +30,8 @@ def get_config():
   c.max_nodes = 64
   c.branching = (8, 4, 2, 2)
   c.batch_sweep = (8, 16, 32, 64)  # active batch sizes for the tau / speedup curves
+  c.hf_generate = False
+  c.hf_threads = 2
+  c.roofline_batch = 0           # 0: no roofline probe
   c.out_dir = 'results/bench_w2'
   return c

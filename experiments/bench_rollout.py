@@ -1,12 +1,15 @@
 """Rollout benchmark: vanilla vs SpecRoll (static heads) vs oracle, wall-time ratios.
 
-  python -m experiments.bench_rollout --config=configs/bench_w2.py
+  python -m experiments.bench_rollout --config=configs/bench_w2.py   (stories260K)
+  python -m experiments.bench_rollout --config=configs/bench_w3.py   (SmolLM2 on GSM8K)
 
 All engines run in this process on the same prompts, seed and sampler; each is compiled
 once, then timed `repeats` times in alternation, and ratios of medians are reported. The
 oracle uses the same trees and budget as SpecRoll, with the vanilla rollout's true future
-tokens as every head's rank-0 proposal: the ceiling of this design on this hardware. A
-sweep over the number of prompts gives tau and speedup against the active batch size.
+tokens as a chain before the heads' candidates: the ceiling of this design on this
+hardware. A sweep over the number of responses gives tau and speedup against the active
+batch size. With `hf_generate`, transformers' `generate` (torch) samples the same prompts
+with the same sampler; its samples differ (another RNG), so it is compared in tokens/s.
 """
 import json
 import statistics
@@ -30,11 +33,32 @@ from specroll_jax.spec.factory import head_proposer, make_engine, tree_config
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.tasks.sources import load_tasks
+from experiments import roofline
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w2.py')
+
+
+def benchmark_prompts(policy, c):
+  """The prompts every engine samples: story openings (W2) or GSM8K test questions (W3)."""
+  if c.prompts == 'story_openings':
+    return story_openings(policy, c.num_prompts, c.opening_tokens, c.opening_seed)
+  tasks = load_tasks(c.prompts, count=c.num_prompts, seed=c.seed, data_dir=c.data_dir,
+                     split='test', chat=c.chat_template)[:c.num_prompts]
+  return [policy.prompt_ids(t.prompt, c.chat_template) for t in tasks]
+
+
+def head_training_prompts(policy, c):
+  """What the heads are warm-started from: BOS (stories) or the *train* split's questions."""
+  if c.heads.prompts == 'bos':
+    return [[policy.config.bos_token_id]]
+  tasks = load_tasks(c.heads.prompts, count=c.heads.num_sequences, seed=c.heads.seed,
+                     data_dir=c.data_dir, split='train', chat=c.chat_template)
+  return [policy.prompt_ids(t.prompt, c.chat_template)
+          for t in tasks[:c.heads.num_sequences + c.heads.held_out]]
 
 
 def story_openings(policy, count, length, seed):
@@ -50,8 +74,9 @@ def warm_started_heads(policy, c):
   h = c.heads
   plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
                    max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
-  return ensure_heads(policy, HeadsConfig(h.num_heads), DistillConfig(steps=h.steps),
-                      [[policy.config.bos_token_id]], plan, c.heads_dir, c.checkpoint)
+  distill = DistillConfig(steps=h.steps, batch_size=h.batch_size)
+  return ensure_heads(policy, HeadsConfig(h.num_heads), distill, head_training_prompts(policy, c),
+                      plan, c.heads_dir, c.checkpoint)
 
 
 def timed(fn, repeats):
@@ -63,9 +88,41 @@ def timed(fn, repeats):
   return out, times
 
 
-def compare(policy, heads_config, heads, prompts, c, tree, sampler):
-  """One side-by-side run of the three engines on `prompts`."""
-  rollout = RolloutConfig(c.max_new_tokens, max_batch=max(len(prompts), 1))
+def hf_generate_run(policy, prompts, samples, c):
+  """transformers' generate on the same prompt ids and sampler, EOS on like our engines.
+
+  Returns (run, generated token count of the last run)."""
+  import torch
+  import transformers
+  torch.set_num_threads(c.hf_threads)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(c.checkpoint, dtype=torch.float32)
+  hf.eval()
+  width = max(len(p) for p in prompts)
+  ids = torch.zeros((len(prompts), width), dtype=torch.long)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+  eos = list(policy.eos_ids)
+  counted = {}
+
+  def run():
+    with torch.no_grad():
+      out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                        temperature=c.temperature, top_k=0, top_p=1.0,
+                        max_new_tokens=c.max_new_tokens, num_return_sequences=samples,
+                        eos_token_id=eos, pad_token_id=eos[0])[:, width:]
+    # A row's tokens are those up to and including its first EOS.
+    is_eos = torch.isin(out, torch.tensor(eos))
+    after_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
+    counted['tokens'] = int((~after_eos).sum())
+    return out
+
+  return run, counted
+
+
+def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
+  """One side-by-side run of the engines on `prompts` x `samples`."""
+  rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples)
   vanilla = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout)
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))
@@ -73,16 +130,18 @@ def compare(policy, heads_config, heads, prompts, c, tree, sampler):
   oracle_engine = make_engine(policy, 'specroll', sampler, proposer=OracleProposer(heads_proposer),
                               tree=tree)
   spec, oracle = Driver(spec_engine, rollout), Driver(oracle_engine, rollout)
-  reference = vanilla.generate(policy.params, prompts, 1, c.seed)  # also compiles
-  oracle_tokens = np.zeros((len(prompts), c.max_new_tokens), np.int32)
+  reference = vanilla.generate(policy.params, prompts, samples, c.seed)  # also compiles
+  oracle_tokens = np.zeros((len(reference), c.max_new_tokens), np.int32)
   for i, r in enumerate(reference):
     oracle_tokens[i, :len(r.token_ids)] = r.token_ids
   spec_params = spec_engine.params(policy.params, heads)
   oracle_params = oracle_engine.params(policy.params,
                                        OracleParams(heads, jnp.asarray(oracle_tokens)))
-  runs = {'vanilla': lambda: vanilla.generate(policy.params, prompts, 1, c.seed),
-          'specroll': lambda: spec.generate(spec_params, prompts, 1, c.seed),
-          'oracle': lambda: oracle.generate(oracle_params, prompts, 1, c.seed)}
+  runs = {'vanilla': lambda: vanilla.generate(policy.params, prompts, samples, c.seed),
+          'specroll': lambda: spec.generate(spec_params, prompts, samples, c.seed),
+          'oracle': lambda: oracle.generate(oracle_params, prompts, samples, c.seed)}
+  if c.hf_generate:
+    runs['hf_generate'], hf_tokens = hf_generate_run(policy, prompts, samples, c)
   for run in runs.values():
     run()  # compile every shape this workload reaches
   times = {name: [] for name in runs}
@@ -93,16 +152,31 @@ def compare(policy, heads_config, heads, prompts, c, tree, sampler):
       times[name] += t
   engines = {'vanilla': vanilla.engine, 'specroll': spec_engine, 'oracle': oracle_engine}
   result = {}
-  for name in runs:
+  for name in engines:
     same = [a.token_ids == b.token_ids for a, b in zip(outputs[name], reference)]
     tokens_same = sum(len(a.token_ids) for a, s in zip(reference, same) if s)
     result[name] = dict(engines[name].summarize(outputs[name]), seconds=times[name],
                         median_seconds=statistics.median(times[name]),
                         identical_fraction=tokens_same / sum(len(a.token_ids) for a in reference),
                         identical_responses=sum(same))
-  for name in runs:
+  for name in engines:
     result[name]['speedup'] = result['vanilla']['median_seconds'] / result[name]['median_seconds']
+    result[name]['tokens_per_s'] = (sum(len(r.token_ids) for r in outputs[name])
+                                    / result[name]['median_seconds'])
+  if c.hf_generate:
+    seconds = statistics.median(times['hf_generate'])
+    result['hf_generate'] = dict(seconds=times['hf_generate'], median_seconds=seconds,
+                                 tokens=hf_tokens['tokens'],
+                                 tokens_per_s=hf_tokens['tokens'] / seconds)
+    result['vanilla']['vs_hf_generate'] = (result['vanilla']['tokens_per_s']
+                                           / result['hf_generate']['tokens_per_s'])
   return result
+
+
+def sweep_slice(prompts, samples, responses):
+  """`responses` rows of the GRPO-shaped batch: whole groups first, then one partial group."""
+  per_prompt = min(samples, responses)
+  return prompts[:max(1, responses // per_prompt)], per_prompt
 
 
 def main(argv):
@@ -115,11 +189,22 @@ def main(argv):
                      per_batch_capacity=c.capacity_per_batch)
   capacity = tree.capacity_by_batch or tree.capacity_tokens
   sampler = SamplerConfig(temperature=c.temperature)
-  openings = story_openings(policy, c.num_prompts, c.opening_tokens, c.opening_seed)
-  main_run = compare(policy, heads_config, heads, openings, c, tree, sampler)
-  sweep = {b: compare(policy, heads_config, heads, openings[:b], c, tree, sampler)
-           for b in c.batch_sweep if b != c.num_prompts}
-  sweep[c.num_prompts] = main_run
+  prompts = benchmark_prompts(policy, c)
+  samples = c.samples_per_prompt
+  main_run = compare(policy, heads_config, heads, prompts, samples, c, tree, sampler)
+  rows = len(prompts) * samples
+  sweep = {b: compare(policy, heads_config, heads, *sweep_slice(prompts, samples, b), c, tree,
+                      sampler)
+           for b in c.batch_sweep if b != rows}
+  sweep[rows] = main_run
+  num_params = sum(x.size for x in jax.tree.leaves(policy.params))
+  # The roofline's cache holds the mean prompt plus half the mean vanilla response: the
+  # average filled cache of a decode step over the rollout.
+  mean_response = main_run['vanilla']['tokens_per_s'] * main_run['vanilla']['median_seconds'] / rows
+  cache_slots = int(np.mean([len(p) for p in prompts]) + mean_response / 2)
+  roofline_result = (roofline.decode_roofline(policy.config, num_params, c.roofline_batch,
+                                              cache_slots)
+                     if c.roofline_batch else None)
 
   out = Path(c.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -131,33 +216,47 @@ def main(argv):
       'oracle_speedup': main_run['oracle']['speedup'],
       'oracle_tau': main_run['oracle']['tau'],
       'identical_fraction': main_run['specroll']['identical_fraction'],
+      'min_speedup_over_batches': min(r['specroll']['speedup'] for r in sweep.values()),
       'engines': main_run,
-      'batch_sweep': {str(b): {name: {k: r[name][k] for k in ('tau', 'speedup')}
-                               for name in ('specroll', 'oracle')} for b, r in sorted(sweep.items())},
+      'batch_sweep': {str(b): {name: {k: r[name][k] for k in ('tau', 'speedup', 'tokens_per_s')}
+                               for name in ('vanilla', 'specroll', 'oracle')}
+                      for b, r in sorted(sweep.items())},
   }
+  if c.hf_generate:
+    result['vanilla_vs_hf_generate'] = main_run['vanilla']['vs_hf_generate']
+    for b, r in sweep.items():
+      result['batch_sweep'][str(b)]['hf_generate_tokens_per_s'] = r['hf_generate']['tokens_per_s']
+  if roofline_result:
+    result['roofline_tokens_per_s'] = roofline_result['tokens_per_s']
+    result['roofline'] = roofline_result
   (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
   lines = ['| engine | median s | speedup | tau | identical tokens | accept. by depth |',
            '|---|---:|---:|---:|---:|---|']
   for name, r in main_run.items():
+    if name == 'hf_generate':
+      lines.append(f"| hf_generate (torch) | {r['median_seconds']:.2f} | "
+                   f"{r['tokens_per_s']:.1f} tok/s | - | - | - |")
+      continue
     lines.append(f"| {name} | {r['median_seconds']:.2f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
                  f"{r['identical_fraction']:.4f} | {r.get('acceptance_by_depth', '-')} |")
-  sweep_lines = ['| prompts | specroll tau | specroll speedup | oracle tau | oracle speedup |',
-                 '|---:|---:|---:|---:|---:|']
+  sweep_lines = ['| responses | vanilla tok/s | specroll tau | specroll speedup | oracle tau | '
+                 'oracle speedup |', '|---:|---:|---:|---:|---:|---:|']
   for b, r in sorted(sweep.items()):
-    sweep_lines.append(f"| {b} | {r['specroll']['tau']:.2f} | {r['specroll']['speedup']:.2f}x | "
+    sweep_lines.append(f"| {b} | {r['vanilla']['tokens_per_s']:.1f} | {r['specroll']['tau']:.2f} | "
+                       f"{r['specroll']['speedup']:.2f}x | "
                        f"{r['oracle']['tau']:.2f} | {r['oracle']['speedup']:.2f}x |")
   (out / 'README.md').write_text(
       f"# Rollout benchmark ({Path(c.out_dir).name})\n\nCommand: `{result['command']}` "
       f"(backend {jax.default_backend()}, C_hw = {capacity} tokens)\n\n"
-      + '\n'.join(lines) + '\n\n## Against the number of prompts\n\n' + '\n'.join(sweep_lines)
+      + '\n'.join(lines) + '\n\n## Against the number of responses in the batch\n\n' + '\n'.join(sweep_lines)
       + '\n\n![tau and speedup](tau_speedup.png)\n')
   batches = sorted(sweep)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
   for name in ('specroll', 'oracle'):
     ax1.plot(batches, [sweep[b][name]['tau'] for b in batches], 'o-', label=name)
     ax2.plot(batches, [sweep[b][name]['speedup'] for b in batches], 'o-', label=name)
-  ax1.set(xlabel='prompts in the batch', ylabel='tau (tokens / policy forward)', xscale='log')
-  ax2.set(xlabel='prompts in the batch', ylabel='speedup over vanilla', xscale='log')
+  ax1.set(xlabel='responses in the batch', ylabel='tau (tokens / policy forward)', xscale='log')
+  ax2.set(xlabel='responses in the batch', ylabel='speedup over vanilla', xscale='log')
   ax2.axhline(1.0, color='gray', lw=0.5)
   for ax in (ax1, ax2):
     ax.legend()

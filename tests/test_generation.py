@@ -96,3 +96,19 @@ def test_no_recompilation_in_steady_state(stories_policy):
 def test_prompt_too_long_for_the_model_is_a_clear_error(stories_policy):
   with pytest.raises(ValueError, match='prompt 1 has 500 tokens'):
     _generate(stories_policy, SamplerConfig(), [[1, 2], [5] * 500], max_new=20)
+
+
+def test_windowed_decode_equals_full_sequence_forward(stories_policy):
+  # 16 prompt slots + 240 new tokens: a 256-slot cache, read through four windows as it fills.
+  greedy = SamplerConfig(temperature=0.0)
+  [out] = _generate(stories_policy, greedy, [[1]], max_new=240, max_batch=1, eos_ids=())
+  assert len(out.token_ids) == 240
+  ids = np.array([[1] + out.token_ids])
+  logits = np.asarray(stories_policy.logits(ids))[0, :-1]
+  assert out.token_ids == logits.argmax(-1).tolist()
+  expected = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, axis=-1)),
+                                np.array(out.token_ids)[:, None], -1)[:, 0]
+  np.testing.assert_allclose(out.logprobs, expected, atol=1e-5)
+  with count_compilations() as compiled:  # window changes inside the loop compile nothing
+    _generate(stories_policy, greedy, [[1, 400]], max_new=240, max_batch=1, eos_ids=())
+    assert compiled() == 0

@@ -33,20 +33,6 @@ class ConsolidationConfig:
       raise ValueError(f'held_out_fraction must be in (0, 1), got {self.held_out_fraction}')
 
 
-@partial(jax.jit, static_argnums=2)
-def response_spans(pairs: HeadPairs, starts, length: int) -> HeadPairs:
-  """Rows' positions [start, start + length): with start = the last prompt position this is
-  every pair whose horizon lies in the response, at a fraction of a full-width batch's
-  cost (prompts are most of a row's width in math tasks)."""
-  index = starts[:, None] + jnp.arange(length)[None, :]
-  inside = index < pairs.tokens.shape[1]
-  index = jnp.minimum(index, pairs.tokens.shape[1] - 1)
-  take = lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)),
-                                       axis=1)
-  spans = jax.tree.map(take, pairs)
-  return spans.replace(valid=spans.valid & inside)
-
-
 def _distill_config(config: ConsolidationConfig) -> DistillConfig:
   return DistillConfig(ce_weight=config.ce_weight, learning_rate=config.learning_rate,
                        batch_size=config.batch_size, steps=config.steps)

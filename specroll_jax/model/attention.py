@@ -18,11 +18,16 @@ _MASKED = -1e30
 # Cache windows are multiples of this many slots (and at most _MAX_WINDOWS of them).
 _WINDOW_QUANTUM = 16
 _MAX_WINDOWS = 4
+# Smaller caches are read whole: their attention is cheap, and every window is another
+# attention body per layer to compile.
+MIN_WINDOWED_SLOTS = 256
 
 
 def cache_windows(cache_slots: int) -> tuple[int, ...]:
   """The static prefixes of a cache that attention may read: S/4, S/2, 3S/4, S (rounded)."""
-  step = max(_WINDOW_QUANTUM, -(-cache_slots // _MAX_WINDOWS // _WINDOW_QUANTUM) * _WINDOW_QUANTUM)
+  if cache_slots < MIN_WINDOWED_SLOTS:
+    return (cache_slots,)
+  step = -(-cache_slots // _MAX_WINDOWS // _WINDOW_QUANTUM) * _WINDOW_QUANTUM
   return tuple(range(step, cache_slots, step)) + (cache_slots,)
 
 
@@ -45,7 +50,7 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
     [B, T, H, Dh] attention output in q's dtype.
   """
   windows = cache_windows(k_cache.shape[2])
-  attend = lambda window: lambda *args: _attention(
+  attend = lambda window: lambda *args: full_cache_attention(
       q, args[0][:, :, :window], args[1][:, :, :window], *args[2:], scale=scale)
   operands = (k_cache, v_cache, cache_lengths, k_block, v_block, block_mask)
   if len(windows) == 1:
@@ -54,7 +59,10 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
   return jax.lax.switch(needed, [attend(w) for w in windows], *operands)
 
 
-def _attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *, scale):
+def full_cache_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *,
+                         scale):
+  """`block_attention` reading every slot of the cache it is given: the body of each window,
+  and the plain reference the windowed attention is tested against."""
   batch, t_len, num_heads, head_dim = q.shape
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv

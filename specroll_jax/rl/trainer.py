@@ -37,6 +37,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.spec.pairs import response_spans
 from specroll_jax.tasks import rewards
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from specroll_jax.tasks.sources import load_tasks
@@ -154,8 +155,8 @@ class HeadAdaptation:
         return heads.replace(monitor=watch), metrics
     mask = np.zeros_like(all_heads)
     mask[:len(triggered)] = triggered
-    spans = consolidation.response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
-                                         self.response_span)
+    spans = response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
+                           self.response_span)
     result = consolidation.consolidate(self.heads_config, self.policy_config,
                                        self.consolidation_config, heads.params, policy_params,
                                        spans, mask, seed, rollback=self.mode != 'online')

@@ -4,6 +4,8 @@ Warm start (adapt.distill), the slow path (adapt.consolidation) and the GRPO lea
 forward (rl.grpo, which harvests them at no extra policy forward) all produce or consume
 this one type.
 """
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -22,3 +24,17 @@ def top_targets(logits, top_k: int):
   """The policy's top-K next-token ids and their log-probs renormalised over the K."""
   logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
   return ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
+
+
+@partial(jax.jit, static_argnums=2)
+def response_spans(pairs: HeadPairs, starts, length: int) -> HeadPairs:
+  """Rows' positions [start, start + length): with start = the last prompt position this is
+  every pair whose horizon lies in the response, at a fraction of a full-width batch's
+  cost (prompts are most of a row's width in math tasks)."""
+  index = starts[:, None] + jnp.arange(length)[None, :]
+  inside = index < pairs.tokens.shape[1]
+  index = jnp.minimum(index, pairs.tokens.shape[1] - 1)
+  take = lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)),
+                                       axis=1)
+  spans = jax.tree.map(take, pairs)
+  return spans.replace(valid=spans.valid & inside)

