@@ -19,3 +19,13 @@ STORIES = SHARED / 'models' / 'stories260K'
 def stories_policy():
   from specroll_jax import load_policy
   return load_policy(STORIES)
+
+
+@pytest.fixture(autouse=True, scope='module')
+def release_compiled_programs():
+  """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps
+  memory mappings, and a whole-suite process holding ~280 tests' programs crashed in a
+  compile near the end (a segfault in backend_compile_and_load, not reproducible alone)."""
+  yield
+  import jax
+  jax.clear_caches()
