@@ -67,18 +67,24 @@ def _shifted(x, shift: int):
   return jnp.concatenate([x[:, shift:], tail], axis=1)
 
 
+def _horizon_mask(batch: HeadPairs, num_heads: int):
+  """[B, T, H]: position t and its head-k horizon t+k+1 are both real tokens."""
+  return jnp.stack([_shifted(batch.valid, k + 1) & batch.valid
+                    for k in range(1, num_heads + 1)], axis=2)
+
+
 def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
                     policy_params, batch: HeadPairs):
   """log q_{t,k} at head k's targets: (at the policy's top-K [B, T, H, K], at the realised
   token [B, T, H], mask [B, T, H] of positions whose horizon t+k+1 is a real token)."""
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)  # [B, T, H, D]
-  batch_size, width, num_heads, dim = z.shape
+  num_heads, dim = z.shape[2:]
   # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
   horizons = range(1, num_heads + 1)
   ids = jnp.stack([jnp.concatenate([_shifted(batch.target_ids, k),
                                     _shifted(batch.tokens, k + 1)[..., None]], axis=-1)
                    for k in horizons], axis=2)  # [B, T, H, K + 1]
-  mask = jnp.stack([_shifted(batch.valid, k + 1) & batch.valid for k in horizons], axis=2)
+  mask = _horizon_mask(batch, num_heads)
   log_q = map_projected(
       model_config, policy_params, z.reshape(-1, dim),
       lambda logits, row_ids: (jnp.take_along_axis(logits, row_ids, axis=-1)
@@ -138,7 +144,7 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
   guesses = guesses.reshape(batch_size, width, num_heads, ranks)
   horizons = range(1, num_heads + 1)
   realised = jnp.stack([_shifted(batch.tokens, k + 1) for k in horizons], axis=2)
-  mask = jnp.stack([_shifted(batch.valid, k + 1) & batch.valid for k in horizons], axis=2)
+  mask = _horizon_mask(batch, num_heads)
   match = (guesses == realised[..., None]) & mask[..., None]
   return jnp.sum(match, axis=(0, 1)), jnp.sum(mask, axis=(0, 1))
 
