@@ -21,6 +21,8 @@ def get_config():
   c.samples_per_prompt = 1
   c.opening_tokens = 6       # openings = the first tokens of the policy's own stories
   c.opening_seed = 1234      # different from the heads' training seed
+  # A fixed prompt set compiles once per width, so finer widths cost no compilations.
+  c.prompt_buckets_per_octave = 4
   c.max_new_tokens = 256
   c.temperature = 1.0
   c.seed = 0

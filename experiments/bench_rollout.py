@@ -122,7 +122,8 @@ def hf_generate_run(policy, prompts, samples, c):
 
 def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
   """One side-by-side run of the engines on `prompts` x `samples`."""
-  rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples)
+  rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
+                          prompt_buckets_per_octave=c.prompt_buckets_per_octave)
   vanilla = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout)
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))

@@ -33,6 +33,8 @@ from experiments.common import DEFAULT_CHECKPOINT
 flags.DEFINE_integer('num_prompts', 64, 'Prompts (one sample each) per generate call.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Generated tokens per response.')
 flags.DEFINE_integer('repeats', 3, 'Timed repetitions per engine.')
+flags.DEFINE_integer('prompt_buckets_per_octave', 4,
+                     'Prompt widths per octave (rollout.buckets.prompt_bucket).')
 flags.DEFINE_string('w3_dir', 'workdir/models/smollm2-135m-instruct',
                     'The imported SmolLM2-135M-Instruct directory (experiments.import_gguf); '
                     'empty skips W3.')
@@ -82,7 +84,8 @@ def _left_padded(prompts: list[list[int]], pad_id: int):
 def bench_model(name: str, directory: Path, prompts: list[list[int]], new: int) -> dict:
   policy = load_policy(directory)
   engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), eos_ids=())
-  driver = Driver(engine, RolloutConfig(max_new_tokens=new, max_batch=len(prompts)))
+  driver = Driver(engine, RolloutConfig(max_new_tokens=new, max_batch=len(prompts),
+                                        prompt_buckets_per_octave=FLAGS.prompt_buckets_per_octave))
   ours = lambda: driver.generate(policy.params, prompts, 1, seed=0)
 
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from specroll_jax.rollout.buckets import prompt_bucket
 from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, FINISH_EOS, FINISH_LENGTH, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -15,9 +16,10 @@ PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park to 
 
 
 def _generate(policy, sampler, prompts, num_samples=1, max_new=24, max_batch=8, seed=0,
-              eos_ids=(2,)):
+              eos_ids=(2,), buckets_per_octave=1):
   engine = VanillaEngine(policy.config, sampler, eos_ids)
-  driver = Driver(engine, RolloutConfig(max_new_tokens=max_new, max_batch=max_batch))
+  driver = Driver(engine, RolloutConfig(max_new_tokens=max_new, max_batch=max_batch,
+                                        prompt_buckets_per_octave=buckets_per_octave))
   return driver.generate(policy.params, prompts, num_samples, seed)
 
 
@@ -61,6 +63,27 @@ def test_mixed_prompt_lengths_equal_each_prompt_alone(stories_policy):
     alone = _generate(stories_policy, sampler, padded, num_samples=2, max_batch=8)
     match = alone[out.prompt_index * 2 + out.sample_index]
     assert match.token_ids == out.token_ids
+
+
+def test_prompt_buckets_pad_to_the_next_step_of_their_octave():
+  widths = {n: prompt_bucket(n, 16, 4) for n in (1, 16, 17, 33, 64, 65, 169, 193, 257)}
+  assert widths == {1: 16, 16: 16, 17: 20, 33: 40, 64: 64, 65: 80, 169: 192, 193: 224,
+                    257: 320}
+  assert [prompt_bucket(n, 16, 1) for n in (17, 33, 169)] == [32, 64, 256]
+  with pytest.raises(ValueError, match='buckets_per_octave=3'):
+    prompt_bucket(40, 16, 3)
+
+
+def test_finer_prompt_buckets_emit_the_same_responses(stories_policy):
+  # 21 tokens: a 24-slot prompt bucket at four per octave, 32 at one.
+  prompts = _encode(stories_policy, PROMPTS[:2] + [' '.join(['the dog ran'] * 4)])
+  assert max(len(p) for p in prompts) == 21
+  sampler = SamplerConfig(temperature=0.0)
+  coarse = _generate(stories_policy, sampler, prompts)
+  fine = _generate(stories_policy, sampler, prompts, buckets_per_octave=4)
+  assert [o.token_ids for o in fine] == [o.token_ids for o in coarse]
+  for a, b in zip(fine, coarse):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_top_k_one_equals_greedy(stories_policy):

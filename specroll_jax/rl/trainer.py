@@ -259,8 +259,9 @@ def train(c, workdir) -> dict:
     print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
   _truncate_metrics(metrics_path, int(state.step))
-  width = sequence_width(max(len(p) for p in task_prompts),
-                         c.rollout.max_new_tokens, rollouts.driver.config.prompt_bucket_min)
+  shapes = rollouts.driver.config
+  width = sequence_width(max(len(p) for p in task_prompts), c.rollout.max_new_tokens,
+                         shapes.prompt_bucket_min, shapes.prompt_buckets_per_octave)
   per_step = c.rollout.prompts_per_step
   last = {}
   with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr) as bar:

@@ -20,10 +20,16 @@ from specroll_jax.rollout.sequences import Sequences
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Shape policy of a rollout. Batch buckets are data_size * 2^k up to max_batch."""
+  """Shape policy of a rollout. Batch buckets are data_size * 2^k up to max_batch.
+
+  Prompt widths are `buckets.prompt_bucket`s: powers of two by default, because a training
+  run's prompt lengths change from call to call and every width compiles the whole decode
+  loop again; a fixed prompt set (a benchmark) can afford finer widths and less padding.
+  """
   max_new_tokens: int
   max_batch: int = 64
   prompt_bucket_min: int = 16
+  prompt_buckets_per_octave: int = 1
 
 
 def take_rows(tree, rows: jax.Array):
@@ -56,7 +62,8 @@ class Driver:
                        f'{self.config.max_new_tokens} it exceeds the model\'s '
                        f'max_position_embeddings={limit}')
     cache_length = sequence_width(max_prompt, self.config.max_new_tokens,
-                                  self.config.prompt_bucket_min)
+                                  self.config.prompt_bucket_min,
+                                  self.config.prompt_buckets_per_octave)
     prompt_width = cache_length - self.config.max_new_tokens
     seed_key = jax.random.key(seed)
     rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
