@@ -27,6 +27,7 @@ def get_config():
   # A fixed prompt set compiles once per width, so finer widths cost no compilations.
   c.prompt_buckets_per_octave = 4
   c.max_new_tokens = 256
+  c.dtype = 'float32'  # of the policy (and of transformers' copy when hf_generate)
   c.temperature = 1.0
   c.seed = 0
   # Every engine runs once untimed (compiling) and then `repeats` times, alternating; on

@@ -18,65 +18,23 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 import numpy as np
 from absl import app
 from ml_collections import config_flags
 
 from specroll_jax import load_policy
-from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.factory import head_proposer, make_engine, tree_config
-from specroll_jax.spec.head_proposer import HeadDraftConfig
-from specroll_jax.spec.heads import HeadsConfig
-from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
-from specroll_jax.tasks.sources import load_tasks
+from specroll_jax.spec.factory import tree_config
 from experiments import roofline
+from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
+                                   warm_started_heads, workload_engines)
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w2.py')
-
-
-def benchmark_prompts(policy, c):
-  """The prompts every engine samples: story openings (W2) or GSM8K test questions (W3)."""
-  if c.prompts == 'story_openings':
-    return story_openings(policy, c.num_prompts, c.opening_tokens, c.opening_seed)
-  tasks = load_tasks(c.prompts, count=c.num_prompts, seed=c.seed, data_dir=c.data_dir,
-                     split='test', chat=c.chat_template)[:c.num_prompts]
-  return [policy.prompt_ids(t.prompt, c.chat_template) for t in tasks]
-
-
-def head_training_prompts(policy, c):
-  """What the heads are warm-started from: BOS (stories) or the *train* split's questions."""
-  if c.heads.prompts == 'bos':
-    return [[policy.config.bos_token_id]]
-  tasks = load_tasks(c.heads.prompts, count=c.heads.num_sequences, seed=c.heads.seed,
-                     data_dir=c.data_dir, split='train', chat=c.chat_template)
-  return [policy.prompt_ids(t.prompt, c.chat_template)
-          for t in tasks[:c.heads.num_sequences + c.heads.held_out]]
-
-
-def story_openings(policy, count, length, seed):
-  """The first `length` tokens of `count` stories the policy writes from BOS."""
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), policy.eos_ids)
-  stories = Driver(engine, RolloutConfig(length, max_batch=64)).generate(
-      policy.params, [[policy.config.bos_token_id]], count, seed)
-  return [[policy.config.bos_token_id] + s.token_ids for s in stories]
-
-
-def warm_started_heads(policy, c):
-  """The heads in c.heads_dir, self-distilled on the policy's own stories when missing."""
-  h = c.heads
-  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
-                   max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
-  distill = DistillConfig(steps=h.steps, batch_size=h.batch_size)
-  return ensure_heads(policy, HeadsConfig(h.num_heads), distill, head_training_prompts(policy, c),
-                      plan, c.heads_dir, c.checkpoint)
 
 
 def timed(fn, repeats):
@@ -95,7 +53,8 @@ def hf_generate_run(policy, prompts, samples, c):
   import torch
   import transformers
   torch.set_num_threads(c.hf_threads)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(c.checkpoint, dtype=torch.float32)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(c.checkpoint,
+                                                           dtype=getattr(torch, c.dtype))
   hf.eval()
   width = max(len(p) for p in prompts)
   ids = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -124,20 +83,13 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
   """One side-by-side run of the engines on `prompts` x `samples`."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-  vanilla = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout)
-  heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
-                                 HeadDraftConfig(tuple(c.branching)))
-  spec_engine = make_engine(policy, 'specroll', sampler, proposer=heads_proposer, tree=tree)
-  oracle_engine = make_engine(policy, 'specroll', sampler, proposer=OracleProposer(heads_proposer),
-                              tree=tree)
-  spec, oracle = Driver(spec_engine, rollout), Driver(oracle_engine, rollout)
+  engines = workload_engines(policy, heads_config, c, tree, sampler)
+  vanilla, spec, oracle = (Driver(engines[name], rollout)
+                           for name in ('vanilla', 'specroll', 'oracle'))
   reference = vanilla.generate(policy.params, prompts, samples, c.seed)  # also compiles
-  oracle_tokens = np.zeros((len(reference), c.max_new_tokens), np.int32)
-  for i, r in enumerate(reference):
-    oracle_tokens[i, :len(r.token_ids)] = r.token_ids
-  spec_params = spec_engine.params(policy.params, heads)
-  oracle_params = oracle_engine.params(policy.params,
-                                       OracleParams(heads, jnp.asarray(oracle_tokens)))
+  spec_params = engines['specroll'].params(policy.params, heads)
+  oracle_params = oracle_engine_params(engines['oracle'], policy, heads, reference,
+                                       c.max_new_tokens)
   runs = {'vanilla': lambda: vanilla.generate(policy.params, prompts, samples, c.seed),
           'specroll': lambda: spec.generate(spec_params, prompts, samples, c.seed),
           'oracle': lambda: oracle.generate(oracle_params, prompts, samples, c.seed)}
@@ -151,7 +103,6 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
     for name, run in runs.items():
       outputs[name], t = timed(run, 1)
       times[name] += t
-  engines = {'vanilla': vanilla.engine, 'specroll': spec_engine, 'oracle': oracle_engine}
   result = {}
   for name in engines:
     same = [a.token_ids == b.token_ids for a, b in zip(outputs[name], reference)]
@@ -174,16 +125,10 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
   return result
 
 
-def sweep_slice(prompts, samples, responses):
-  """`responses` rows of the GRPO-shaped batch: whole groups first, then one partial group."""
-  per_prompt = min(samples, responses)
-  return prompts[:max(1, responses // per_prompt)], per_prompt
-
-
 def main(argv):
   del argv
   c = _CONFIG.value
-  policy = load_policy(c.checkpoint)
+  policy = load_policy(c.checkpoint, c.dtype)
   heads_config, heads = warm_started_heads(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes,
                      capacity_tokens=c.capacity_tokens,

@@ -9,7 +9,7 @@ from absl import app, flags
 
 from experiments.common import DEFAULT_CHECKPOINT
 from specroll_jax import load_policy
-from specroll_jax.spec.capacity import baselines, measure_capacity, save_profile
+from specroll_jax.spec.capacity import MAX_SPREAD, baselines, measure_capacity, save_profile
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_integer('max_batch', 64, 'Largest batch; max_batch / 2, / 4, / 8 are also measured.')
@@ -33,11 +33,13 @@ def main(argv):
       cache_length=FLAGS.cache_length, knee_factor=FLAGS.knee_factor, repeats=FLAGS.repeats)
   path = save_profile(profile, FLAGS.cache_dir)
   base = baselines(profile.measurements)
-  print(f'{"batch":>6} {"nodes":>6} {"tokens":>7} {"latency_ms":>11} {"ratio":>6}')
-  for batch, nodes, total, ms in profile.measurements:
-    print(f'{batch:6d} {nodes:6d} {total:7d} {ms:11.3f} {ms / base[batch]:6.2f}')
+  print(f'{"batch":>6} {"nodes":>6} {"tokens":>7} {"latency_ms":>11} {"ratio":>6} {"spread":>7}')
+  for batch, nodes, total, ms, spread in profile.measurements:
+    print(f'{batch:6d} {nodes:6d} {total:7d} {ms:11.3f} {ms / base[batch]:6.2f} {spread:7.3f}')
   print(f'C_hw = {profile.capacity_tokens} tokens (knee factor {profile.knee_factor}; '
-        f'{profile.backend} / {profile.device_kind}, {profile.dtype})')
+        f'{profile.backend} / {profile.device_kind}, {profile.dtype}, {profile.software})')
+  busy = ' (busy: a rollout that loads it measures again)' if profile.busy() else ''
+  print(f'median relative spread {profile.spread:.3f}, limit {MAX_SPREAD}{busy}')
   print('per batch (used by default): ' + ', '.join(
       f'B={b}: C_hw={tokens}, N_t={min(tokens // b, FLAGS.max_nodes)}'
       for b, tokens in profile.capacity_by_batch()))

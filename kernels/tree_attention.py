@@ -7,15 +7,22 @@ cache tile is read once per kv group, not once per query head. The cache is stre
 tiles of `block_s` keys with an online softmax in float32, the loop stops after the last
 tile holding a valid slot, and the T block keys are folded in last under `block_mask`.
 
-Layout choices are driven by what the compiled backends accept:
-  * Triton (GPU) only handles power-of-two tensors and needs matmul dims >= 16, so query
-    rows and block keys are padded to a power of two >= 16 (padding is masked out) and
-    `block_s` and the head dim must be powers of two.
-  * Mosaic (TPU) wants the last two block dims either whole or (8, 128)-aligned. The
+Each platform gets its own lowering, chosen when the call is lowered (through
+`lax.platform_dependent`), not from the machine it is traced on, so the kernel can be
+exported for a GPU or a TPU from a CPU host (tests/test_kernel_export.py does):
+  * cuda: Triton. JAX's default GPU path, Mosaic GPU, copies whole tiles with TMA and
+    rejects copies that are not a multiple of the 128-thread warpgroup (16 bytes of
+    cache lengths already fail), and its `pallas_call` entry point is deprecated for
+    `plgpu.kernel`; Triton takes ordinary BlockSpec grids and runs on Ampere as well
+    as Hopper. Triton only handles power-of-two tensors and needs matmul dims >= 16, so
+    query rows and block keys are padded to a power of two >= 16 (padding is masked out)
+    and `block_s` and the head dim must be powers of two.
+  * tpu: Mosaic. It wants the last two block dims either whole or (8, 128)-aligned. The
     head-major cache ([B, KVH, S, Dh]) gives each program a whole [S, Dh] slab; the small
-    per-block tensors are transposed head-major here to match.
-  * Scalar prefetch is TPU-only, so cache_lengths is an ordinary int32 input read whole;
-    on TPU it is placed in SMEM because scalars cannot be read out of VMEM.
+    per-block tensors are transposed head-major here to match. Scalar prefetch is
+    TPU-only, so cache_lengths is an ordinary int32 input read whole, placed in SMEM
+    because scalars cannot be read out of VMEM.
+  * cpu: the Pallas interpreter (there is no compiled CPU lowering).
 """
 import functools
 
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 # Finite stand-in for -inf: with no infinities, exp(m_old - m_new) never sees inf - inf,
 # so rows that have not met a visible key yet carry zeros instead of NaNs.
@@ -84,17 +92,16 @@ def _dot_dim(n):
 
 @functools.partial(jax.jit, static_argnames=('scale', 'block_s', 'interpret'))
 def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *,
-                   scale, block_s=128, interpret=None):
+                   scale, block_s=128, interpret=False):
   """Pallas version of `block_attention`; see there for arguments and result.
 
   Args beyond `block_attention`'s:
     block_s: cache keys per tile (a power of two for GPU, a multiple of 8 for TPU). A
       cache whose S is not a multiple of it is padded here, which copies it; allocate S
       as a multiple of block_s to avoid that.
-    interpret: run the kernel in the Pallas interpreter; None picks it on CPU only.
+    interpret: run the kernel in the Pallas interpreter on every platform (CPU always
+      does), e.g. to debug it on a GPU host.
   """
-  if interpret is None:
-    interpret = jax.default_backend() == 'cpu'
   batch, t_len, num_heads, head_dim = q.shape
   s_len = k_cache.shape[2]
   num_kv = k_block.shape[2]
@@ -103,7 +110,6 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
   # Row r of a kv group is block token r // groups, query head r % groups.
   rows = t_len * groups
   rows_padded = _dot_dim(rows)
-  block_rows = min(rows_padded, _MAX_ROWS)
   q_rows = q.reshape(batch, t_len, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
   q_rows = _pad_axis(q_rows.reshape(batch, num_kv, rows, head_dim), 2, rows_padded)
   keys_padded = _dot_dim(t_len)
@@ -119,16 +125,36 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
   v_cache = _pad_axis(v_cache, 2, s_padded)
   lengths = jnp.clip(cache_lengths, 0, s_len).astype(jnp.int32)
 
-  on_tpu = jax.default_backend() == 'tpu' and not interpret
+  operands = (lengths, q_rows, k_cache, v_cache, k_block, v_block, mask_rows)
+  call = lambda platform: functools.partial(_tree_attention_call, platform, scale=scale,
+                                            block_s=block_s)
+  if interpret:
+    out = call('interpret')(*operands)
+  else:
+    out = lax.platform_dependent(*operands, cpu=call('interpret'), cuda=call('cuda'),
+                                 tpu=call('tpu'))
+  out = out[:, :, :rows].reshape(batch, num_kv, t_len, groups, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, t_len, num_heads, head_dim)
+
+
+def _tree_attention_call(platform, lengths, q_rows, k_cache, v_cache, k_block, v_block,
+                         mask_rows, *, scale, block_s):
+  """The kernel over prepared operands, lowered for `platform` ('cuda', 'tpu' or
+  'interpret')."""
+  batch, num_kv, rows_padded, head_dim = q_rows.shape
+  s_padded, keys_padded = k_cache.shape[2], k_block.shape[2]
+  block_rows = min(rows_padded, _MAX_ROWS)
   cache_spec = pl.BlockSpec((None, None, s_padded, head_dim), lambda b, h, r: (b, h, 0, 0))
   block_kv_spec = pl.BlockSpec((None, None, keys_padded, head_dim),
                                lambda b, h, r: (b, h, 0, 0))
   rows_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
-  out = pl.pallas_call(
+  compiler_params = {'cuda': pltriton.CompilerParams(),
+                     'tpu': pltpu.CompilerParams()}.get(platform)
+  return pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_s=block_s),
       grid=(batch, num_kv, rows_padded // block_rows),
       in_specs=[
-          pl.BlockSpec(memory_space=pltpu.SMEM if on_tpu else None),
+          pl.BlockSpec(memory_space=pltpu.SMEM if platform == 'tpu' else None),
           rows_spec,
           cache_spec,
           cache_spec,
@@ -137,10 +163,8 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
           pl.BlockSpec((None, block_rows, keys_padded), lambda b, h, r: (b, r, 0)),
       ],
       out_specs=rows_spec,
-      out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-      interpret=interpret,
+      out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+      interpret=platform == 'interpret',
+      compiler_params=compiler_params,
       name='tree_attention',
   )(lengths, q_rows, k_cache, v_cache, k_block, v_block, mask_rows)
-
-  out = out[:, :, :rows].reshape(batch, num_kv, t_len, groups, head_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, t_len, num_heads, head_dim)

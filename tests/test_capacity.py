@@ -11,8 +11,8 @@ from specroll_jax.spec.capacity import CapacityProfile, pick_capacity
 
 
 def _sweep(batch, latencies):
-  """Rows for nodes 1, 2, 4, ... with the given latencies (ms)."""
-  return [(batch, 2 ** i, batch * 2 ** i, ms) for i, ms in enumerate(latencies)]
+  """Rows for nodes 1, 2, 4, ... with the given latencies (ms), measured steadily."""
+  return [(batch, 2 ** i, batch * 2 ** i, ms, 0.0) for i, ms in enumerate(latencies)]
 
 
 def test_knee_is_last_total_before_first_crossing():
@@ -43,9 +43,15 @@ def test_batches_that_never_cross_are_lower_bounds():
 
 def test_bad_measurements_are_rejected():
   with pytest.raises(ValueError, match='no nodes=1'):
-    pick_capacity([(8, 2, 16, 1.0)], 1.3)
+    pick_capacity([(8, 2, 16, 1.0, 0.0)], 1.3)
   with pytest.raises(ValueError, match='knee_factor'):
     pick_capacity(_sweep(8, [1.0, 1.0]), 1.0)
+
+
+def test_relative_spread_ignores_one_slow_run_but_not_a_busy_machine():
+  assert capacity.relative_spread([10.0, 10.1, 9.9, 10.0, 30.0]) == pytest.approx(0.01)
+  assert capacity.relative_spread([10.0, 14.0, 9.0, 17.0, 12.0]) == pytest.approx(4.0 / 12.0)
+  assert capacity.relative_spread([10.0]) == 0.0
 
 
 def test_node_counts_double_up_to_the_maximum():
@@ -60,30 +66,43 @@ def test_real_measurement_gives_a_sane_profile(stories_policy):
   profile = capacity.measure_capacity(config, stories_policy.params, batches=(4, 2),
                                       max_nodes=2, cache_length=32, repeats=2)
   assert profile.key == capacity.profile_key(config)
-  assert [(b, n, t) for b, n, t, _ in profile.measurements] == [
+  assert [(b, n, t) for b, n, t, *_ in profile.measurements] == [
       (4, 1, 4), (4, 2, 8), (2, 1, 2), (2, 2, 4)]
-  assert all(math.isfinite(ms) and ms > 0 for *_, ms in profile.measurements)
+  assert all(math.isfinite(ms) and ms > 0 and 0 <= spread < math.inf
+             for *_, ms, spread in profile.measurements)
+  assert profile.software == capacity.software_versions()
   assert profile.capacity_tokens == pick_capacity(profile.measurements, profile.knee_factor)
   assert 4 <= profile.capacity_tokens <= 8
   assert CapacityProfile.from_json(profile.to_json()) == profile
 
 
-@pytest.fixture
-def fake_measure(monkeypatch, stories_policy):
-  """Replaces the measurement with a canned profile for this model and counts the calls."""
-  fingerprint, dtype, backend, device_kind = capacity.profile_key(stories_policy.config)
-  profile = CapacityProfile(
+def _canned_profile(config, spread=0.01, capacity_tokens=128):
+  fingerprint, dtype, backend, device_kind, software = capacity.profile_key(config)
+  return CapacityProfile(
       config_fingerprint=fingerprint, dtype=dtype, backend=backend, device_kind=device_kind,
-      capacity_tokens=128, measurements=((64, 1, 64, 1.0), (64, 2, 128, 1.2)),
+      software=software, capacity_tokens=capacity_tokens,
+      measurements=((64, 1, 64, 1.0, spread), (64, 2, 128, 1.2, spread)),
       knee_factor=1.3, cache_length=256, created='2026-01-01T00:00:00+00:00')
+
+
+def _fake_measurements(monkeypatch, profiles):
+  """Replaces the measurement: each call returns the next of `profiles` (the last one
+  repeats); returns the list of the calls' keyword arguments."""
   calls = []
 
   def measure(config, params, **kwargs):
     calls.append(kwargs)
-    return profile
+    return profiles[min(len(calls), len(profiles)) - 1]
 
   monkeypatch.setattr(capacity, 'measure_capacity', measure)
-  return profile, calls
+  return calls
+
+
+@pytest.fixture
+def fake_measure(monkeypatch, stories_policy):
+  """Replaces the measurement with a canned steady profile for this model."""
+  profile = _canned_profile(stories_policy.config)
+  return profile, _fake_measurements(monkeypatch, [profile])
 
 
 def test_cached_profile_is_reused(tmp_path, stories_policy, fake_measure, monkeypatch):
@@ -120,6 +139,11 @@ def _without(profile, field):
     (lambda p: _without(p, 'capacity_tokens'), "missing fields \\['capacity_tokens'\\]"),
     (lambda p: p.to_json().replace('"measurements": [', '"measurements": [7, '), 'unusable'),
     (lambda p: dataclasses.replace(p, device_kind='TPU v9').to_json(), 'is for'),
+    (lambda p: dataclasses.replace(p, software='jax 0.4.30, jaxlib 0.4.30').to_json(),
+     'is for'),
+    (lambda p: dataclasses.replace(p, measurements=((64, 1, 64, 1.0, 0.5),
+                                                    (64, 2, 128, 1.2, 0.5))).to_json(),
+     'spread 0.500 > 0.100'),
 ])
 def test_corrupt_or_mismatched_profile_is_measured_again(tmp_path, stories_policy, fake_measure,
                                                          caplog, corrupt, reason):
@@ -134,3 +158,33 @@ def test_corrupt_or_mismatched_profile_is_measured_again(tmp_path, stories_polic
   assert str(path) in record.getMessage()
   assert re.search(reason, record.getMessage())
   assert CapacityProfile.from_json(path.read_text()) == profile
+
+
+def test_a_busy_measurement_is_repeated_and_the_steadiest_kept(tmp_path, stories_policy,
+                                                               monkeypatch, caplog):
+  config = stories_policy.config
+  busy = [_canned_profile(config, spread, capacity_tokens=tokens)
+          for spread, tokens in ((0.4, 64), (0.2, 96), (0.3, 128))]
+  calls = _fake_measurements(monkeypatch, busy)
+  with caplog.at_level('WARNING'):
+    profile = capacity.load_or_measure(config, stories_policy.params, tmp_path)
+  assert len(calls) == capacity.MEASURE_ATTEMPTS
+  assert profile == busy[1]
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+  assert len(warnings) == capacity.MEASURE_ATTEMPTS + 1
+  assert 'keeping the steadiest of 3 busy' in warnings[-1]
+  # Saved, but not trusted: the next load measures again, and keeps a steady result.
+  steady = _canned_profile(config, 0.02, capacity_tokens=80)
+  calls = _fake_measurements(monkeypatch, [steady])
+  assert capacity.load_or_measure(config, stories_policy.params, tmp_path) == steady
+  assert len(calls) == 1
+  assert CapacityProfile.from_json(
+      capacity.profile_path(steady.key, tmp_path).read_text()) == steady
+
+
+def test_a_steady_measurement_is_not_repeated(tmp_path, stories_policy, monkeypatch):
+  config = stories_policy.config
+  profiles = [_canned_profile(config, 0.05), _canned_profile(config, 0.01)]
+  calls = _fake_measurements(monkeypatch, profiles)
+  assert capacity.load_or_measure(config, stories_policy.params, tmp_path) == profiles[0]
+  assert len(calls) == 1

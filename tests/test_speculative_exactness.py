@@ -156,6 +156,8 @@ def test_budget_one_is_plain_decoding_on_random_policy(peaked_qwen):
                             [[1, 5, 9], [1, 300, 301, 302, 303, 304, 305, 306, 307]], 3, 30, 4, ())
   _check(vanilla, spec, greedy=True)
   assert all(s.steps == len(s.token_ids) for s in spec)
+  # Not a one-node tree but the vanilla step itself: the same bits, not only the same tokens.
+  assert [s.logprobs for s in spec] == [v.logprobs for v in vanilla]
 
 
 def test_greedy_identical_on_random_policy_with_random_heads(peaked_qwen):

@@ -49,6 +49,27 @@ class Driver:
   def generate(self, params, prompts: list[list[int]], num_samples: int, seed: int,
                progress=None) -> list[Response]:
     """Responses ordered by (prompt_index, sample_index); response id r = p * G + s."""
+    prompt_width, cache_length = self._widths(prompts)
+    seed_key = jax.random.key(seed)
+    rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
+    results = {}
+    for start in range(0, len(rows), self.config.max_batch):
+      chunk = list(range(start, min(start + self.config.max_batch, len(rows))))
+      self._run_chunk(params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
+                      seed_key, results, progress)
+    return [results[r] for r in range(len(rows))]
+
+  def first_state(self, params, prompts: list[list[int]], num_samples: int):
+    """The engine state `generate` starts its first on-device loop from (after prefill),
+    for profiling the loop on its own."""
+    prompt_width, cache_length = self._widths(prompts)
+    rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
+    chunk = list(range(min(self.config.max_batch, len(rows))))
+    state, _ = self._start_chunk(params, prompts, rows, chunk, prompt_width, cache_length)
+    return state
+
+  def _widths(self, prompts):
+    """(prompt width, cache length) of every batch of `prompts`; checks the prompts."""
     if not prompts:
       raise ValueError('prompts is empty')
     for i, p in enumerate(prompts):
@@ -64,18 +85,11 @@ class Driver:
     cache_length = sequence_width(max_prompt, self.config.max_new_tokens,
                                   self.config.prompt_bucket_min,
                                   self.config.prompt_buckets_per_octave)
-    prompt_width = cache_length - self.config.max_new_tokens
-    seed_key = jax.random.key(seed)
-    rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
-    results = {}
-    for start in range(0, len(rows), self.config.max_batch):
-      chunk = list(range(start, min(start + self.config.max_batch, len(rows))))
-      self._run_chunk(params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
-                      seed_key, results, progress)
-    return [results[r] for r in range(len(rows))]
+    return cache_length - self.config.max_new_tokens, cache_length
 
-  def _run_chunk(self, params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
-                 seed_key, results, progress):
+  def _start_chunk(self, params, prompts, rows, chunk, prompt_width, cache_length):
+    """Prefills the rows `chunk` into the smallest bucket holding them: (state, the row of
+    each slot, -1 for padding)."""
     batch = next(b for b in self.buckets if b >= len(chunk))
     tokens = np.zeros((batch, prompt_width), np.int32)
     lengths = np.ones((batch,), np.int32)
@@ -90,7 +104,13 @@ class Driver:
                            jnp.full((batch,), self.config.max_new_tokens, jnp.int32),
                            self.config.max_new_tokens, jnp.asarray(padding))
     state = self.engine.start(params, jnp.asarray(tokens), seqs, cache_length)
-    row_of_slot = np.where(padding, -1, np.arange(batch) + chunk[0])
+    return state, np.where(padding, -1, np.arange(batch) + chunk[0])
+
+  def _run_chunk(self, params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
+                 seed_key, results, progress):
+    state, row_of_slot = self._start_chunk(params, prompts, rows, chunk, prompt_width,
+                                           cache_length)
+    batch = len(row_of_slot)
     while True:
       smaller = [b for b in self.buckets if b < batch]
       stop_at = smaller[-1] if smaller else 0

@@ -48,15 +48,27 @@ class VanillaEngine(Engine):
 
   def step(self, params, state: DecodeState, seed_key) -> DecodeState:
     """Draws one token per running row and runs it through the policy."""
-    seqs = state.seqs
-    positions = seqs.next_positions
-    tokens, logprobs = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
-                                          positions, self.sampler)
-    seqs, kept = seqs.append(tokens[:, None], logprobs[:, None],
-                             jnp.ones_like(tokens), self.eos_ids)
-    ones = jnp.ones((tokens.shape[0], 1, 1), bool)
-    hidden, block = self.model.apply({'params': params}, tokens[:, None], positions[:, None],
-                                     ones, state.cache)
-    cache = commit(state.cache, block, jnp.zeros_like(tokens)[:, None], kept)
-    logits = self.model.apply({'params': params}, hidden[:, 0], method=Transformer.project)
+    _, cache, logits, seqs = decode_one(self.model, params, state.cache, state.next_logits,
+                                        state.seqs, seed_key, self.sampler, self.eos_ids)
     return constrain_rows(self.mesh, DecodeState(cache=cache, next_logits=logits, seqs=seqs))
+
+
+def decode_one(model: Transformer, params, cache: KVCache, next_logits, seqs: Sequences,
+               seed_key, sampler: sampling.SamplerConfig, eos_ids: tuple):
+  """The vanilla step: each row draws its next token from `next_logits`, which then runs
+  through the policy alone. Returns (hidden [B, D] at that token, cache, its logits
+  [B, V], seqs). Stages are named scopes, as in the speculative step."""
+  positions = seqs.next_positions
+  with jax.named_scope('root_draw'):
+    tokens, logprobs = sampling.draw_next(next_logits, seed_key, seqs.response_ids, positions,
+                                          sampler)
+  ones = jnp.ones((tokens.shape[0], 1, 1), bool)
+  with jax.named_scope('verify_forward'):
+    hidden, block = model.apply({'params': params}, tokens[:, None], positions[:, None], ones,
+                                cache)
+  with jax.named_scope('commit'):
+    seqs, kept = seqs.append(tokens[:, None], logprobs[:, None], jnp.ones_like(tokens), eos_ids)
+    cache = commit(cache, block, jnp.zeros_like(tokens)[:, None], kept)
+  with jax.named_scope('project'):
+    logits = model.apply({'params': params}, hidden[:, 0], method=Transformer.project)
+  return hidden[:, 0], cache, logits, seqs

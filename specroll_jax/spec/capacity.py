@@ -4,7 +4,9 @@ C_hw is the number of tokens one target forward can process before its latency r
 markedly above the plain decode step (one token per response). The tree builder gives each
 of B_t running responses N_t = clip(C_hw // B_t, 1, N_max) nodes. We time the
 verification-shaped forward over a grid of (batch, nodes per row), take the knee per batch
-and combine the batches into one number, cached as JSON keyed by model and hardware.
+and combine the batches into one number, cached as JSON keyed by model, hardware and
+software. Each latency is a median of repeated runs and keeps its spread: a busy machine
+shows as spread, and a profile measured on one is measured again rather than trusted.
 """
 import dataclasses
 import datetime
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from absl import logging
 
@@ -29,16 +32,34 @@ from specroll_jax.model.transformer import Transformer
 DEFAULT_BATCHES = (64, 32, 16, 8)
 CACHE_DIR_ENV = 'SPECROLL_CAPACITY_DIR'
 DEFAULT_CACHE_DIR = Path('~/.cache/specroll_jax/capacity')
+# The largest median relative spread ((q3 - q1) / median of a shape's repeats) of a profile
+# measured on an otherwise idle machine; see WORKSPACE_NOTES for the spreads measured.
+MAX_SPREAD = 0.1
+MEASURE_ATTEMPTS = 3
 
 
 def _digest(obj) -> str:
   return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def software_versions() -> str:
+  """The compiler stack a latency depends on."""
+  return f'jax {jax.__version__}, jaxlib {jaxlib.__version__}'
+
+
 def profile_key(config: ModelConfig) -> tuple:
-  """What a profile is valid for: (config fingerprint, dtype, backend, device kind)."""
+  """What a profile is valid for: (config fingerprint, dtype, backend, device kind,
+  software versions)."""
   return (_digest(dataclasses.asdict(config)), config.dtype, jax.default_backend(),
-          jax.devices()[0].device_kind)
+          jax.devices()[0].device_kind, software_versions())
+
+
+def relative_spread(samples) -> float:
+  """(q3 - q1) / median of repeated timings: robust to one slow run, not to a busy machine."""
+  if len(samples) < 2:
+    return 0.0
+  q1, median, q3 = statistics.quantiles(samples, n=4, method='inclusive')
+  return (q3 - q1) / median
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +68,26 @@ class CapacityProfile:
   dtype: str
   backend: str
   device_kind: str
+  software: str
   capacity_tokens: int
-  measurements: tuple  # ((batch, nodes, total_tokens, latency_ms), ...)
+  measurements: tuple  # ((batch, nodes, total_tokens, latency_ms, relative_spread), ...)
   knee_factor: float
   cache_length: int
   created: str
 
   @property
   def key(self) -> tuple:
-    return (self.config_fingerprint, self.dtype, self.backend, self.device_kind)
+    return (self.config_fingerprint, self.dtype, self.backend, self.device_kind,
+            self.software)
+
+  @property
+  def spread(self) -> float:
+    """The median over shapes of each latency's relative spread."""
+    return statistics.median(row[4] for row in self.measurements)
+
+  def busy(self, max_spread: float = MAX_SPREAD) -> bool:
+    """The spread says something else ran while this profile was measured."""
+    return self.spread > max_spread
 
   def capacity_by_batch(self) -> tuple:
     """((batch, tokens), ...) ascending: the knee measured at each batch size, for hardware
@@ -79,16 +111,16 @@ class CapacityProfile:
     return cls(
         config_fingerprint=str(raw['config_fingerprint']), dtype=str(raw['dtype']),
         backend=str(raw['backend']), device_kind=str(raw['device_kind']),
-        capacity_tokens=int(raw['capacity_tokens']),
-        measurements=tuple((int(b), int(n), int(t), float(ms))
-                           for b, n, t, ms in raw['measurements']),
+        software=str(raw['software']), capacity_tokens=int(raw['capacity_tokens']),
+        measurements=tuple((int(b), int(n), int(t), float(ms), float(spread))
+                           for b, n, t, ms, spread in raw['measurements']),
         knee_factor=float(raw['knee_factor']), cache_length=int(raw['cache_length']),
         created=str(raw['created']))
 
 
 def baselines(measurements) -> dict:
   """Latency (ms) of the one-node-per-row forward of each batch: the decode step."""
-  base = {b: ms for b, n, _, ms in measurements if n == 1}
+  base = {b: ms for b, n, _, ms, *_ in measurements if n == 1}
   missing = sorted({row[0] for row in measurements} - base.keys())
   if missing:
     raise ValueError(f'batches {missing} have no nodes=1 measurement (the baseline)')
@@ -96,7 +128,7 @@ def baselines(measurements) -> dict:
 
 
 def batch_capacities(measurements, knee_factor: float) -> dict:
-  """batch -> (tokens, knee_found) from (batch, nodes, total_tokens, latency_ms) rows.
+  """batch -> (tokens, knee_found) from (batch, nodes, total_tokens, latency_ms, ...) rows.
 
   A batch's capacity is the largest total before the first node count whose latency exceeds
   knee_factor x its baseline; the first crossing is the knee, so a later noisy dip under the
@@ -109,7 +141,7 @@ def batch_capacities(measurements, knee_factor: float) -> dict:
   out = {}
   for batch in sorted(base):
     rows = sorted(row for row in measurements if row[0] == batch)
-    crossing = next((i for i, (_, _, _, ms) in enumerate(rows)
+    crossing = next((i for i, (_, _, _, ms, *_) in enumerate(rows)
                      if ms > knee_factor * base[batch]), None)
     if crossing is None:
       out[batch] = (rows[-1][2], False)
@@ -160,7 +192,8 @@ def measure_capacity(config: ModelConfig, params, *, batches=DEFAULT_BATCHES,
 
   Each row attends to a cache half full of `cache_length` slots and projects
   `projected_nodes` hidden states to logits (H + 1 with the default H = 4 heads: at most one
-  accepted path). One compilation per (batch, nodes); latency = median of `repeats` runs.
+  accepted path). One compilation per (batch, nodes); latency = median of `repeats` runs,
+  kept with their relative spread.
   """
   if not batches or min(batches) < 1 or max_nodes < 1 or repeats < 1:
     raise ValueError(f'need batches >= 1, max_nodes >= 1, repeats >= 1; got batches={batches}, '
@@ -192,13 +225,15 @@ def measure_capacity(config: ModelConfig, params, *, batches=DEFAULT_BATCHES,
         jax.block_until_ready(call())
         times[nodes].append(time.perf_counter() - start)
     for nodes, samples in times.items():
-      latency_ms = 1000 * statistics.median(samples)
-      rows.append((batch, nodes, batch * nodes, latency_ms))
-      logging.info('capacity: batch %d, nodes %d: %.3f ms', batch, nodes, latency_ms)
-  fingerprint, dtype, backend, device_kind = profile_key(config)
+      latency_ms, spread = 1000 * statistics.median(samples), relative_spread(samples)
+      rows.append((batch, nodes, batch * nodes, latency_ms, spread))
+      logging.info('capacity: batch %d, nodes %d: %.3f ms (spread %.3f)', batch, nodes,
+                   latency_ms, spread)
+  fingerprint, dtype, backend, device_kind, software = profile_key(config)
   return CapacityProfile(
       config_fingerprint=fingerprint, dtype=dtype, backend=backend, device_kind=device_kind,
-      capacity_tokens=pick_capacity(rows, knee_factor), measurements=tuple(rows),
+      software=software, capacity_tokens=pick_capacity(rows, knee_factor),
+      measurements=tuple(rows),
       knee_factor=knee_factor, cache_length=cache_length,
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'))
 
@@ -220,10 +255,13 @@ def save_profile(profile: CapacityProfile, cache_dir=None) -> Path:
   return path
 
 
-def load_or_measure(config: ModelConfig, params, cache_dir=None,
-                    **measure_kwargs) -> CapacityProfile:
+def load_or_measure(config: ModelConfig, params, cache_dir=None, max_spread: float = MAX_SPREAD,
+                    attempts: int = MEASURE_ATTEMPTS, **measure_kwargs) -> CapacityProfile:
   """The cached profile for this model and hardware, else a fresh (and cached) measurement.
 
+  A cached profile whose spread says the machine was busy is measured again; a measurement
+  that is itself busy is repeated up to `attempts` times, and the steadiest one is kept
+  (with a warning if even that one is busy, so the next load measures again).
   cache_dir defaults to $SPECROLL_CAPACITY_DIR, then ~/.cache/specroll_jax/capacity.
   """
   key = profile_key(config)
@@ -234,10 +272,25 @@ def load_or_measure(config: ModelConfig, params, cache_dir=None,
     except (OSError, ValueError, TypeError) as e:
       logging.warning('%s: unusable capacity profile (%s); measuring again', path, e)
     else:
-      if profile.key == key:
+      if profile.key != key:
+        logging.warning('%s: capacity profile is for %s, not %s; measuring again', path,
+                        profile.key, key)
+      elif profile.busy(max_spread):
+        logging.warning('%s: capacity profile has spread %.3f > %.3f (measured on a busy '
+                        'machine); measuring again', path, profile.spread, max_spread)
+      else:
         return profile
-      logging.warning('%s: capacity profile is for %s, not %s; measuring again', path,
-                      profile.key, key)
-  profile = measure_capacity(config, params, **measure_kwargs)
+  measured = []
+  for attempt in range(1, attempts + 1):
+    measured.append(measure_capacity(config, params, **measure_kwargs))
+    if not measured[-1].busy(max_spread):
+      break
+    logging.warning('capacity measurement %d of %d has spread %.3f > %.3f: the machine is '
+                    'busy', attempt, attempts, measured[-1].spread, max_spread)
+  profile = min(measured, key=lambda p: p.spread)
+  if profile.busy(max_spread):
+    logging.warning('%s: keeping the steadiest of %d busy capacity measurements (spread '
+                    '%.3f); it will be measured again when next loaded', path, attempts,
+                    profile.spread)
   save_profile(profile, cache_dir)
   return profile

@@ -27,6 +27,7 @@ from specroll_jax.model.transformer import Transformer
 from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
+from specroll_jax.rollout.vanilla import decode_one
 from specroll_jax.spec.proposer import Feedback, Proposer, StepContext, Vocabulary
 from specroll_jax.spec.tree import TreeConfig, build_tree
 from specroll_jax.spec.verify import walk
@@ -121,31 +122,58 @@ class SpecEngine(Engine):
     return constrain_rows(self.mesh, state)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
+    """One speculative step; each stage is a named scope (experiments.profile_step's rows)."""
     seqs, tc, depth = state.seqs, self.tree_config, self.proposer.depth
     batch, running = seqs.done.shape[0], ~seqs.done
     width = self.tree_width(batch)
+    if width == 1:
+      return self._plain_step(params, state, seed_key)
     levels = min(depth, width - 1)  # a tree of N slots never reaches below depth N - 1
     positions = seqs.next_positions
-    root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
-                                            positions, self.sampler)
+    with jax.named_scope('root_draw'):
+      root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
+                                              positions, self.sampler)
     context = StepContext(state.last_hidden, seqs, Vocabulary(params.policy, self.model_config))
-    proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
-    budget = tc.budget(tc.capacity(batch), jnp.sum(running), width)
-    tree = build_tree(root, proposal.candidates, jnp.full((batch,), budget, jnp.int32), width,
-                      depth)
-    hidden, block = self._verify_forward(params.policy, tree, positions, state.cache)
-    result = walk(tree, hidden, context.vocab.logits, seed_key, seqs.response_ids, positions,
-                  self.sampler, depth, self.model_config.vocab_size, self.top_m)
-    seqs, kept = seqs.append(result.tokens, jnp.concatenate([root_logprob[:, None],
-                                                             result.logprobs], axis=1),
-                             result.accepted + 1, self.eos_ids)
+    with jax.named_scope('propose'):
+      proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
+    with jax.named_scope('build_tree'):
+      budget = tc.budget(tc.capacity(batch), jnp.sum(running), width)
+      tree = build_tree(root, proposal.candidates, jnp.full((batch,), budget, jnp.int32),
+                        width, depth)
+    with jax.named_scope('verify_forward'):
+      hidden, block = self._verify_forward(params.policy, tree, positions, state.cache)
+    with jax.named_scope('walk'):
+      result = walk(tree, hidden, context.vocab.logits, seed_key, seqs.response_ids,
+                    positions, self.sampler, depth, self.model_config.vocab_size, self.top_m)
+    with jax.named_scope('commit'):
+      seqs, kept = seqs.append(result.tokens, jnp.concatenate([root_logprob[:, None],
+                                                               result.logprobs], axis=1),
+                               result.accepted + 1, self.eos_ids)
+      cache = commit(state.cache, block, result.path, kept)
     feedback = result.feedback(running, levels)
+    with jax.named_scope('statistics'):
+      tree_stats = state.tree_stats.record(feedback, budget, running)
+    with jax.named_scope('observe'):
+      proposer_state = self.proposer.observe(params.proposer, state.proposer, context,
+                                             proposal, feedback)
     return constrain_rows(self.mesh, SpecState(
-        cache=commit(state.cache, block, result.path, kept), next_logits=result.last_logits,
-        last_hidden=result.last_hidden(hidden), seqs=seqs,
-        tree_stats=state.tree_stats.record(feedback, budget, running),
-        proposer=self.proposer.observe(params.proposer, state.proposer, context, proposal,
-                                       feedback)))
+        cache=cache, next_logits=result.last_logits, last_hidden=result.last_hidden(hidden),
+        seqs=seqs, tree_stats=tree_stats, proposer=proposer_state))
+
+  def _plain_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
+    """A batch whose budget is one node per row has nothing to verify: the vanilla step
+    (the same draw, one-token forward and projection, so it costs what vanilla's does and
+    emits the same bits). The proposer is not consulted; its state is carried unchanged,
+    so feedback on proposals made before stops (Reflex's pending sketches for these
+    positions never mature)."""
+    running = ~state.seqs.done
+    hidden, cache, logits, seqs = decode_one(self.model, params.policy, state.cache,
+                                             state.next_logits, state.seqs, seed_key,
+                                             self.sampler, self.eos_ids)
+    stats = state.tree_stats
+    return constrain_rows(self.mesh, state.replace(
+        cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
+        tree_stats=stats.replace(nodes=stats.nodes + running.astype(jnp.float32))))
 
   def _verify_forward(self, policy_params, tree, positions, cache):
     """Every tree node through the policy at once: positions = prefix length + depth, each

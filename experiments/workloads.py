@@ -1,0 +1,77 @@
+"""The rollout benchmarks' workloads, shared by bench_rollout and profile_step: prompts,
+warm-started heads and the engines, all from a bench config (configs/bench_w2.py, bench_w3.py)."""
+import jax.numpy as jnp
+import numpy as np
+
+from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.factory import head_proposer, make_engine
+from specroll_jax.spec.head_proposer import HeadDraftConfig
+from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.tasks.sources import load_tasks
+
+
+def benchmark_prompts(policy, c):
+  """The prompts every engine samples: story openings (W2) or GSM8K test questions (W3)."""
+  if c.prompts == 'story_openings':
+    return story_openings(policy, c.num_prompts, c.opening_tokens, c.opening_seed)
+  tasks = load_tasks(c.prompts, count=c.num_prompts, seed=c.seed, data_dir=c.data_dir,
+                     split='test', chat=c.chat_template)[:c.num_prompts]
+  return [policy.prompt_ids(t.prompt, c.chat_template) for t in tasks]
+
+
+def head_training_prompts(policy, c):
+  """What the heads are warm-started from: BOS (stories) or the *train* split's questions."""
+  if c.heads.prompts == 'bos':
+    return [[policy.config.bos_token_id]]
+  tasks = load_tasks(c.heads.prompts, count=c.heads.num_sequences, seed=c.heads.seed,
+                     data_dir=c.data_dir, split='train', chat=c.chat_template)
+  return [policy.prompt_ids(t.prompt, c.chat_template)
+          for t in tasks[:c.heads.num_sequences + c.heads.held_out]]
+
+
+def story_openings(policy, count, length, seed):
+  """The first `length` tokens of `count` stories the policy writes from BOS."""
+  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), policy.eos_ids)
+  stories = Driver(engine, RolloutConfig(length, max_batch=64)).generate(
+      policy.params, [[policy.config.bos_token_id]], count, seed)
+  return [[policy.config.bos_token_id] + s.token_ids for s in stories]
+
+
+def warm_started_heads(policy, c):
+  """The heads in c.heads_dir, self-distilled on the policy's own stories when missing."""
+  h = c.heads
+  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
+                   max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
+  distill = DistillConfig(steps=h.steps, batch_size=h.batch_size)
+  return ensure_heads(policy, HeadsConfig(h.num_heads), distill, head_training_prompts(policy, c),
+                      plan, c.heads_dir, c.checkpoint)
+
+
+def sweep_slice(prompts, samples, responses):
+  """`responses` rows of the GRPO-shaped batch: whole groups first, then one partial group."""
+  per_prompt = min(samples, responses)
+  return prompts[:max(1, responses // per_prompt)], per_prompt
+
+
+def workload_engines(policy, heads_config, c, tree, sampler) -> dict:
+  """'vanilla', 'specroll' (the warm-started heads) and 'oracle' (the vanilla rollout's
+  true future before the heads' candidates), with the same trees and budget."""
+  heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
+                                 HeadDraftConfig(tuple(c.branching)))
+  return {'vanilla': VanillaEngine(policy.config, sampler, policy.eos_ids),
+          'specroll': make_engine(policy, 'specroll', sampler, proposer=heads_proposer,
+                                  tree=tree),
+          'oracle': make_engine(policy, 'specroll', sampler,
+                                proposer=OracleProposer(heads_proposer), tree=tree)}
+
+
+def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens):
+  """The oracle's parameters: the heads and the `reference` responses' tokens."""
+  oracle_tokens = np.zeros((len(reference), max_new_tokens), np.int32)
+  for i, r in enumerate(reference):
+    oracle_tokens[i, :len(r.token_ids)] = r.token_ids
+  return oracle_engine.params(policy.params, OracleParams(heads, jnp.asarray(oracle_tokens)))
