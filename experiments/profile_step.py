@@ -83,17 +83,18 @@ def traced_op_times(trace_dir: Path) -> collections.Counter:
 def profile_loop(engine, params, state, seed_key) -> dict:
   """ms per loop iteration by stage and by module, from one traced run of `engine.run`."""
   stop = jnp.int32(0)
-  jax.block_until_ready(engine.run(params, state, seed_key, stop))  # compile and warm up
+  # One executable for every run, and its HLO is what the trace's operation names refer to.
+  run = type(engine).run.lower(engine, params, state, seed_key, stop).compile()
+  jax.block_until_ready(run(params, state, seed_key, stop))  # warm up
   start = time.perf_counter()
-  jax.block_until_ready(engine.run(params, state, seed_key, stop))
+  jax.block_until_ready(run(params, state, seed_key, stop))
   wall = time.perf_counter() - start  # untraced: writing the trace takes seconds
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
-    final = jax.block_until_ready(engine.run(params, state, seed_key, stop))
+    final = jax.block_until_ready(run(params, state, seed_key, stop))
     jax.profiler.stop_trace()
     op_times = traced_op_times(Path(trace_dir))
-  stages = stage_of_instruction(
-      type(engine).run.lower(engine, params, state, seed_key, stop).compile().as_text())
+  stages = stage_of_instruction(run.as_text())
   iterations = int(jnp.max(final.seqs.steps))
   per_stage, per_module = collections.Counter(), collections.Counter()
   for name, micros in op_times.items():
