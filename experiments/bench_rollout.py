@@ -28,6 +28,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from experiments import roofline
+from experiments.common import left_padded
 from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
                                    warm_started_heads, workload_engines)
 
@@ -56,17 +57,14 @@ def hf_generate_run(policy, prompts, samples, c):
   hf = transformers.AutoModelForCausalLM.from_pretrained(c.checkpoint,
                                                            dtype=getattr(torch, c.dtype))
   hf.eval()
-  width = max(len(p) for p in prompts)
-  ids = torch.zeros((len(prompts), width), dtype=torch.long)
-  mask = torch.zeros((len(prompts), width), dtype=torch.long)
-  for i, p in enumerate(prompts):
-    ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
   eos = list(policy.eos_ids)
+  batch = left_padded(prompts, 0)  # the attention mask hides the pad id
+  width = batch['input_ids'].shape[1]
   counted = {}
 
   def run():
     with torch.no_grad():
-      out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+      out = hf.generate(**batch, do_sample=True,
                         temperature=c.temperature, top_k=0, top_p=1.0,
                         max_new_tokens=c.max_new_tokens, num_return_sequences=samples,
                         eos_token_id=eos, pad_token_id=eos[0])[:, width:]

@@ -28,7 +28,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.tasks.data import load_dataset
-from experiments.common import DEFAULT_CHECKPOINT
+from experiments.common import DEFAULT_CHECKPOINT, left_padded
 
 flags.DEFINE_integer('num_prompts', 64, 'Prompts (one sample each) per generate call.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Generated tokens per response.')
@@ -71,16 +71,6 @@ def _time(fn, repeats):
   return times
 
 
-def _left_padded(prompts: list[list[int]], pad_id: int):
-  width = max(len(p) for p in prompts)
-  ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-  mask = torch.zeros((len(prompts), width), dtype=torch.long)
-  for i, p in enumerate(prompts):
-    ids[i, width - len(p):] = torch.tensor(p)
-    mask[i, width - len(p):] = 1
-  return {'input_ids': ids, 'attention_mask': mask}
-
-
 def bench_model(name: str, directory: Path, prompts: list[list[int]], new: int) -> dict:
   policy = load_policy(directory)
   engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), eos_ids=())
@@ -91,7 +81,7 @@ def bench_model(name: str, directory: Path, prompts: list[list[int]], new: int) 
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
   hf.eval()
   pad_id = 0  # masked out by the attention mask; only its shape matters
-  batch = _left_padded(prompts, pad_id)
+  batch = left_padded(prompts, pad_id)
 
   def theirs():
     with torch.no_grad():

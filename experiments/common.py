@@ -56,3 +56,17 @@ def totals(rows, warmup: int = 1) -> dict:
   out['end_to_end'] = sum(out.values())
   out['first_step'] = sum(rows[0][f'time_{k}'] for k in TIME_KEYS)
   return out
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> dict:
+  """Prompt ids as transformers' `generate` takes them: left-padded torch tensors with the
+  attention mask that hides the padding (torch is imported here only: the one-off tools
+  that compare against transformers need it, the package does not)."""
+  import torch
+  width = max(len(p) for p in prompts)
+  ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):] = torch.tensor(p)
+    mask[i, width - len(p):] = 1
+  return {'input_ids': ids, 'attention_mask': mask}
