@@ -17,6 +17,8 @@ def get_config():
   c.rollout.prompts_per_step = 8
   c.rollout.max_batch = 64
   c.rollout.capacity_tokens = 512
+  # Every step verifies a tree, so each variant's heads are measured at every step.
+  c.rollout.speculation_gate = False
   c.grpo.learning_rate = 3e-4
   c.metrics.drift_kl = True
   c.variants = ('static', 'online', 'reflex', 'slow', 'both')

@@ -30,6 +30,8 @@ def get_config():
   c.repeats = 3
   c.capacity_tokens = 0      # 0: the cached capacity profile of this model on this backend
   c.capacity_per_batch = True  # the profile's knee at each batch size, not one C_hw
+  # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
+  c.speculation_gate = True
   c.max_nodes = 64
   c.branching = (8, 4, 2, 2)
   c.batch_sweep = (8, 16, 32, 64)  # active batch sizes for the tau / speedup curves

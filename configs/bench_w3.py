@@ -38,6 +38,8 @@ def get_config():
   # (0: the cached capacity profile) takes 28 compilations of the 30-layer forward.
   c.capacity_tokens = 64
   c.capacity_per_batch = True
+  # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
+  c.speculation_gate = True
   c.max_nodes = 16
   c.branching = (4, 2, 2, 1)
   c.batch_sweep = (1, 4, 16, 64)  # responses in flight

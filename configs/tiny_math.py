@@ -4,7 +4,9 @@
 
 Builds the W1 policy on first use (pretrained from scratch, ~10 minutes on 2 CPU cores,
 cached under policy_cache_dir), warm-starts horizon heads on it, then runs GRPO with
-SpecRoll rollouts (--config.rollout.engine=vanilla for the baseline).
+SpecRoll rollouts (--config.rollout.engine=vanilla for the baseline). The speculation gate
+(rollout.speculation_gate) runs a plain step wherever a tree is not expected to pay for
+its measured cost.
 """
 import ml_collections
 
@@ -13,6 +15,7 @@ from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.rl.grpo import GRPOConfig
 from specroll_jax.rl.sections import section
+from specroll_jax.spec.gate import GateConfig
 
 
 def get_config():
@@ -31,7 +34,8 @@ def get_config():
   c.rollout = ml_collections.ConfigDict(dict(
       engine='specroll', prompts_per_step=16, group_size=8, max_new_tokens=64,
       temperature=1.0, top_k=0, top_p=1.0, max_batch=128,
-      capacity_tokens=0, max_nodes=64, branching=(8, 4, 2, 2), tree_attention='xla'))
+      capacity_tokens=0, max_nodes=64, branching=(8, 4, 2, 2), tree_attention='xla',
+      speculation_gate=True, gate=section(GateConfig)))
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, num_sequences=512, held_out=64, steps=600))
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.

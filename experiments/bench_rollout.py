@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -29,8 +30,8 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from experiments import roofline
 from experiments.common import left_padded
-from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
-                                   warm_started_heads, workload_engines)
+from experiments.workloads import (benchmark_prompts, gated_engines, oracle_engine_params,
+                                   sweep_slice, warm_started_heads, workload_engines)
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -77,20 +78,22 @@ def hf_generate_run(policy, prompts, samples, c):
   return run, counted
 
 
-def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler):
-  """One side-by-side run of the engines on `prompts` x `samples`."""
+def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices):
+  """One side-by-side run of the engines on `prompts` x `samples`; with c.speculation_gate
+  the speculative engines' gates are priced from `prices` (measured when missing)."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
   engines = workload_engines(policy, heads_config, c, tree, sampler)
-  vanilla, spec, oracle = (Driver(engines[name], rollout)
-                           for name in ('vanilla', 'specroll', 'oracle'))
-  reference = vanilla.generate(policy.params, prompts, samples, c.seed)  # also compiles
-  spec_params = engines['specroll'].params(policy.params, heads)
-  oracle_params = oracle_engine_params(engines['oracle'], policy, heads, reference,
-                                       c.max_new_tokens)
-  runs = {'vanilla': lambda: vanilla.generate(policy.params, prompts, samples, c.seed),
-          'specroll': lambda: spec.generate(spec_params, prompts, samples, c.seed),
-          'oracle': lambda: oracle.generate(oracle_params, prompts, samples, c.seed)}
+  reference = Driver(engines['vanilla'], rollout).generate(policy.params, prompts, samples,
+                                                           c.seed)  # also compiles
+  params = {'vanilla': policy.params, 'specroll': engines['specroll'].params(policy.params, heads),
+            'oracle': oracle_engine_params(engines['oracle'], policy, heads, reference,
+                                           c.max_new_tokens)}
+  if c.speculation_gate:
+    engines = gated_engines(engines, params, rollout, prompts, samples, prices)
+  drivers = {name: Driver(engine, rollout) for name, engine in engines.items()}
+  runs = {name: partial(drivers[name].generate, params[name], prompts, samples, c.seed)
+          for name in engines}
   if c.hf_generate:
     runs['hf_generate'], hf_tokens = hf_generate_run(policy, prompts, samples, c)
   for run in runs.values():
@@ -135,10 +138,11 @@ def main(argv):
   sampler = SamplerConfig(temperature=c.temperature)
   prompts = benchmark_prompts(policy, c)
   samples = c.samples_per_prompt
-  main_run = compare(policy, heads_config, heads, prompts, samples, c, tree, sampler)
+  prices = {}  # priced on the main run, the largest batch, for every smaller bucket
+  main_run = compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices)
   rows = len(prompts) * samples
   sweep = {b: compare(policy, heads_config, heads, *sweep_slice(prompts, samples, b), c, tree,
-                      sampler)
+                      sampler, prices)
            for b in c.batch_sweep if b != rows}
   sweep[rows] = main_run
   num_params = sum(x.size for x in jax.tree.leaves(policy.params))
@@ -155,6 +159,7 @@ def main(argv):
   result = {
       'command': ' '.join(['python -m experiments.bench_rollout'] + sys.argv[1:]),
       'config': c.to_dict(), 'capacity_tokens': capacity, 'backend': jax.default_backend(),
+      'tree_step_costs': {name: [list(row) for row in costs] for name, costs in prices.items()},
       'speedup_generation': main_run['specroll']['speedup'],
       'tau': main_run['specroll']['tau'],
       'oracle_speedup': main_run['oracle']['speedup'],
@@ -162,7 +167,8 @@ def main(argv):
       'identical_fraction': main_run['specroll']['identical_fraction'],
       'min_speedup_over_batches': min(r['specroll']['speedup'] for r in sweep.values()),
       'engines': main_run,
-      'batch_sweep': {str(b): {name: {k: r[name][k] for k in ('tau', 'speedup', 'tokens_per_s')}
+      'batch_sweep': {str(b): {name: {k: r[name][k] for k in ('tau', 'speedup', 'tokens_per_s',
+                                                               'tree_step_share') if k in r[name]}
                                for name in ('vanilla', 'specroll', 'oracle')}
                       for b, r in sorted(sweep.items())},
   }
@@ -183,12 +189,14 @@ def main(argv):
       continue
     lines.append(f"| {name} | {r['median_seconds']:.2f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
                  f"{r['identical_fraction']:.4f} | {r.get('acceptance_by_depth', '-')} |")
-  sweep_lines = ['| responses | vanilla tok/s | specroll tau | specroll speedup | oracle tau | '
-                 'oracle speedup |', '|---:|---:|---:|---:|---:|---:|']
+  sweep_lines = ['| responses | vanilla tok/s | specroll tau | specroll speedup | specroll tree '
+                 'steps | oracle tau | oracle speedup | oracle tree steps |',
+                 '|---:|---:|---:|---:|---:|---:|---:|---:|']
   for b, r in sorted(sweep.items()):
     sweep_lines.append(f"| {b} | {r['vanilla']['tokens_per_s']:.1f} | {r['specroll']['tau']:.2f} | "
-                       f"{r['specroll']['speedup']:.2f}x | "
-                       f"{r['oracle']['tau']:.2f} | {r['oracle']['speedup']:.2f}x |")
+                       f"{r['specroll']['speedup']:.2f}x | {r['specroll']['tree_step_share']:.2f} | "
+                       f"{r['oracle']['tau']:.2f} | {r['oracle']['speedup']:.2f}x | "
+                       f"{r['oracle']['tree_step_share']:.2f} |")
   (out / 'README.md').write_text(
       f"# Rollout benchmark ({Path(c.out_dir).name})\n\nCommand: `{result['command']}` "
       f"(backend {jax.default_backend()}, C_hw = {capacity} tokens)\n\n"

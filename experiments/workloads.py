@@ -1,5 +1,7 @@
 """The rollout benchmarks' workloads, shared by bench_rollout and profile_step: prompts,
 warm-started heads and the engines, all from a bench config (configs/bench_w2.py, bench_w3.py)."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -11,6 +13,7 @@ from specroll_jax.spec.factory import head_proposer, make_engine
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.spec.step_cost import with_measured_step_costs
 from specroll_jax.tasks.sources import load_tasks
 
 
@@ -75,3 +78,17 @@ def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens
   for i, r in enumerate(reference):
     oracle_tokens[i, :len(r.token_ids)] = r.token_ids
   return oracle_engine.params(policy.params, OracleParams(heads, jnp.asarray(oracle_tokens)))
+
+
+def gated_engines(engines, params, rollout, prompts, samples, prices: dict) -> dict:
+  """`engines` with each speculative engine's gate priced (spec/step_cost.py): on this
+  workload the first time an engine name is seen, then from `prices` (name -> costs), so a
+  sweep prices once, on its largest batch, and every smaller run reuses those buckets."""
+  gated = {}
+  for name, engine in engines.items():
+    if name != 'vanilla' and name not in prices:
+      prices[name] = with_measured_step_costs(engine, rollout, params[name], prompts,
+                                              samples).tree_step_costs
+    gated[name] = (engine if name == 'vanilla'
+                   else dataclasses.replace(engine, tree_step_costs=prices[name]))
+  return gated

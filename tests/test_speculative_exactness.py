@@ -25,6 +25,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.gate import GateConfig
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
@@ -86,7 +87,7 @@ def _engine(policy, tree, sampler, eos, branching=(8, 4, 2, 2), oracle=False, **
 
 
 def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_batch, eos,
-              oracle=False, seed=0, branching=(8, 4, 2, 2)):
+              oracle=False, seed=0, branching=(8, 4, 2, 2), **engine_fields):
   config = RolloutConfig(max_new_tokens=max_new, max_batch=max_batch)
   vanilla = Driver(VanillaEngine(policy.config, sampler, eos), config).generate(
       policy.params, prompts, num_samples, seed)
@@ -96,7 +97,7 @@ def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_b
     for i, r in enumerate(vanilla):
       future[i, :len(r.token_ids)] = r.token_ids
     proposer_params = OracleParams(heads, jnp.asarray(future))
-  engine = _engine(policy, tree, sampler, eos, branching, oracle)
+  engine = _engine(policy, tree, sampler, eos, branching, oracle, **engine_fields)
   spec = Driver(engine, config).generate(engine.params(policy.params, proposer_params),
                                          prompts, num_samples, seed)
   return vanilla, spec
@@ -181,6 +182,33 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
   _check(vanilla, spec, greedy=False)
 
 
+# A quick probe and a price no tree pays: the gate alternates warm-up and probing trees with
+# plain steps, so both kinds of step (and the switch between them) emit every response.
+PROBING_GATE = dict(tree_step_costs=((8, 1e9),), gate_config=GateConfig(probe_interval=3))
+
+
+@pytest.mark.parametrize('sampler,oracle', [(SamplerConfig(temperature=0.0), True),
+                                            (SamplerConfig(temperature=1.0), False)])
+def test_gated_steps_identical(stories_policy, sampler, oracle):
+  vanilla, spec = _run_both(stories_policy, sampler, _heads(stories_policy, 'fresh'),
+                            TreeConfig(capacity_tokens=32, max_nodes=16),
+                            _encode(stories_policy), 2, 30, 8, (2,), oracle=oracle, seed=3,
+                            **PROBING_GATE)
+  _check(vanilla, spec, greedy=sampler.temperature == 0.0)
+  trees = [float(s.stats.tree.trees) for s in spec]
+  assert all(0 < t < s.steps for t, s in zip(trees, spec)), (trees, [s.steps for s in spec])
+
+
+def test_gate_that_pays_runs_every_step_as_a_tree(stories_policy):
+  vanilla, spec = _run_both(stories_policy, SamplerConfig(temperature=0.0),
+                            _heads(stories_policy, 'fresh'),
+                            TreeConfig(capacity_tokens=32, max_nodes=16),
+                            _encode(stories_policy), 2, 20, 8, (2,), oracle=True,
+                            tree_step_costs=((8, 0.5),))
+  _check(vanilla, spec, greedy=True)
+  assert all(float(s.stats.tree.trees) == s.steps for s in spec)
+
+
 def test_independent_seeds_give_the_same_token_law(stories_policy):
   """Spec rollouts (seed 1) and vanilla rollouts (seed 2): per-position chi-square."""
   policy, samples, positions = stories_policy, 256, 3
@@ -208,7 +236,8 @@ def test_independent_seeds_give_the_same_token_law(stories_policy):
 def test_no_recompilation_in_steady_state(stories_policy):
   policy = stories_policy
   sampler = SamplerConfig(temperature=1.0)
-  engine = _engine(policy, TreeConfig(capacity_tokens=32, max_nodes=16), sampler, (2,))
+  engine = _engine(policy, TreeConfig(capacity_tokens=32, max_nodes=16), sampler, (2,),
+                   **PROBING_GATE)
   driver = Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=8))
   params = engine.params(policy.params, _heads(policy, 'random'))
   for seed in range(3):  # visit every batch bucket (rows finish at data-dependent steps)

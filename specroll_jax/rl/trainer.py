@@ -7,6 +7,7 @@ the slow path's monitor, step, data position) is an Orbax checkpoint under
 workdir/checkpoints; the per-step rollout seed is `step_seed(c, step)`, so a resumed run
 draws exactly what the uninterrupted one would have.
 """
+import dataclasses
 import hashlib
 import json
 import sys
@@ -35,14 +36,17 @@ from specroll_jax.rollout.buckets import sequence_width
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
+from specroll_jax.spec.gate import GateConfig
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.pairs import response_spans
+from specroll_jax.spec.step_cost import with_measured_step_costs
 from specroll_jax.tasks import rewards
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from specroll_jax.tasks.sources import load_tasks
 
 METRICS_FILE = 'metrics.jsonl'
+STEP_COSTS_FILE = 'step_costs.json'  # the speculation gate's prices, measured on the first batch
 # static: warm-started heads, never adapted; online: heads retrained on every batch (the
 # FastGRPO-like baseline); reflex / slow: one timescale; both: SpecRoll.
 ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
@@ -76,6 +80,7 @@ def check_config(c) -> None:
   build(ConsolidationConfig, c.adaptation.consolidation, 'adaptation.consolidation')
   grpo_config(c, c.adaptation.harvest_top_k)
   HeadDraftConfig(tuple(c.rollout.branching))
+  build(GateConfig, c.rollout.gate, 'rollout.gate')
   sampler(c)
 
 
@@ -91,11 +96,18 @@ def sampler(c) -> SamplerConfig:
 
 
 class Rollouts:
-  """The rollout side: an engine and its driver, fed the learner's current params."""
+  """The rollout side: an engine and its driver, fed the learner's current params.
 
-  def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None):
+  With `rollout.speculation_gate`, the gate is priced on the first batch (the measured cost
+  of a tree step per bucket) and the prices are saved in `step_costs_path`, so a resumed
+  run makes the same tree-or-plain choices as the uninterrupted one.
+  """
+
+  def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None,
+               step_costs_path: Path | None = None):
     r = c.rollout
     self.group_size = r.group_size
+    self.step_costs_path = step_costs_path if r.engine == 'specroll' and r.speculation_gate else None
     self.proposer = tree = None
     if r.engine == 'specroll':
       self.proposer = head_proposer(policy, heads_config, heads_dir, sampler(c),
@@ -106,11 +118,33 @@ class Rollouts:
       tree = tree_config(policy, max_nodes=r.max_nodes, capacity_tokens=r.capacity_tokens)
     self.engine = make_engine(policy, r.engine, sampler(c), proposer=self.proposer, tree=tree,
                               tree_attention=r.tree_attention)
+    if self.step_costs_path is not None:
+      self.engine = dataclasses.replace(self.engine, gate_config=build(GateConfig, r.gate,
+                                                                       'rollout.gate'))
     self.driver = Driver(self.engine, RolloutConfig(r.max_new_tokens, max_batch=r.max_batch))
 
   def generate(self, policy_params, head_params, prompts, seed):
-    return self.driver.generate(self.engine.params(policy_params, head_params), prompts,
-                                self.group_size, seed)
+    params = self.engine.params(policy_params, head_params)
+    if self.step_costs_path is not None and not self.engine.tree_step_costs:
+      self._price_gate(params, prompts)
+    return self.driver.generate(params, prompts, self.group_size, seed)
+
+  def _price_gate(self, params, prompts):
+    path = self.step_costs_path
+    if path.exists():
+      try:
+        costs = tuple((int(b), float(cost)) for b, cost in json.loads(path.read_text()))
+      except (ValueError, TypeError) as e:
+        raise ValueError(f'{path}: not a list of [batch, cost] pairs ({e}); delete it to '
+                         'measure the tree-step costs again') from e
+      self.engine = dataclasses.replace(self.engine, tree_step_costs=costs)
+    else:
+      self.engine = with_measured_step_costs(self.engine, self.driver.config, params, prompts,
+                                             self.group_size)
+      tmp = path.with_name(path.name + '.tmp')
+      tmp.write_text(json.dumps(self.engine.tree_step_costs))
+      tmp.replace(path)
+    self.driver = Driver(self.engine, self.driver.config)
 
 
 class HeadAdaptation:
@@ -241,7 +275,7 @@ def train(c, workdir) -> dict:
   if c.rollout.engine == 'specroll':
     heads_config, heads, heads_dir = warm_start_heads(policy, c, task_prompts, workdir,
                                                       policy_dir)
-  rollouts = Rollouts(policy, c, heads_config, heads_dir)
+  rollouts = Rollouts(policy, c, heads_config, heads_dir, workdir / STEP_COSTS_FILE)
   if heads_dir is not None:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
@@ -313,6 +347,7 @@ def train(c, workdir) -> dict:
               'accuracy': float((scores == 1.0).mean()),
               'response_length': summary['tokens'] / len(responses),
               'tau': summary['tau'], 'acceptance_by_depth': summary.get('acceptance_by_depth'),
+              'tree_step_share': summary.get('tree_step_share'),
               'rollout_digest': rollout_digest(responses),
               **{k: v for k, v in summary.items() if k.startswith('reflex_')}, **adapted,
               **{k: float(v) for k, v in update.items()},

@@ -3,9 +3,12 @@
 An engine is a frozen dataclass used as the static `self` of its jitted functions:
   start(params, prompt_tokens, seqs, cache_length) -> state  (prefill; state has .seqs, .cache)
   step(params, state, seed_key) -> state                     (one policy forward per row)
+  advance(params, state, seed_key, keep_going) -> state      (one iteration of the loop:
+      a step by default; an engine that switches between kinds of step runs a segment of
+      steps of one kind, while keep_going holds)
   row_stats(state) -> typed per-row statistics, or None
   summarize(responses) -> dict
-`run` repeats `step` in a `lax.while_loop` on device until every row is done or at most
+`run` repeats `advance` in a `lax.while_loop` on device until every row is done or at most
 `stop_at_active` rows still run, when the driver compacts the batch.
 """
 from functools import partial
@@ -31,10 +34,15 @@ class Engine:
       running = jnp.sum(~s.seqs.done)
       return (running > 0) & (running > stop_at_active)
 
-    return jax.lax.while_loop(keep_going, lambda s: self.step(params, s, seed_key), state)
+    return jax.lax.while_loop(keep_going,
+                              lambda s: self.advance(params, s, seed_key, keep_going), state)
 
   def step(self, params, state, seed_key):
     raise NotImplementedError
+
+  def advance(self, params, state, seed_key, keep_going):
+    del keep_going
+    return self.step(params, state, seed_key)
 
   def row_stats(self, state):
     del state

@@ -7,6 +7,8 @@ tree attention (ancestor mask, positions = prefix length + depth); sample-and-ma
 (verify.py) accepts a path; the path's keys/values are committed to the cache at each row's
 own length, its last node seeds the next step, and the proposer observes the verifier's
 feedback. Exactness does not depend on the proposer: bad drafts only lower tokens per forward.
+Where a tree cannot pay for itself (one node per row, or the speculation gate's estimate
+against the measured cost of a tree step, spec/gate.py) the step is the vanilla step itself.
 """
 import dataclasses
 from functools import partial
@@ -28,6 +30,7 @@ from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.rollout.vanilla import decode_one
+from specroll_jax.spec import gate
 from specroll_jax.spec.proposer import Feedback, Proposer, StepContext, Vocabulary
 from specroll_jax.spec.tree import TreeConfig, build_tree
 from specroll_jax.spec.verify import walk
@@ -46,11 +49,12 @@ class TreeStats:
   reached: jax.Array   # float32 [B, H] draws at depth d where the tree had candidates
   accepted: jax.Array  # float32 [B, H] accepted nodes at depth d
   nodes: jax.Array     # float32 [B] tree nodes verified (the budget summed over steps)
+  trees: jax.Array     # float32 [B] steps that verified a tree (the rest were plain steps)
 
   @classmethod
   def zeros(cls, batch: int, depth: int) -> 'TreeStats':
     return cls(reached=jnp.zeros((batch, depth)), accepted=jnp.zeros((batch, depth)),
-               nodes=jnp.zeros((batch,)))
+               nodes=jnp.zeros((batch,)), trees=jnp.zeros((batch,)))
 
   def record(self, feedback: Feedback, budget, running) -> 'TreeStats':
     live = running.astype(jnp.float32)
@@ -58,7 +62,10 @@ class TreeStats:
     return TreeStats(reached=self.reached + feedback.in_tree,
                      accepted=self.accepted + live[:, None] * (depth_index
                                                                <= feedback.accepted[:, None]),
-                     nodes=self.nodes + live * budget)
+                     nodes=self.nodes + live * budget, trees=self.trees + live)
+
+  def record_plain(self, running) -> 'TreeStats':
+    return self.replace(nodes=self.nodes + running.astype(jnp.float32))
 
 
 @struct.dataclass
@@ -76,6 +83,7 @@ class SpecState:
   seqs: Sequences
   tree_stats: TreeStats
   proposer: Any            # the proposer's per-row state
+  gate: gate.GateState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +96,10 @@ class SpecEngine(Engine):
   mesh: Mesh | None = None
   tree_attention: str = 'xla'  # attention for the tree forward (model/attention.py)
   target_top_m: int = 32       # M: top tokens of the policy kept at each verifier draw
+  # ((batch, cost of a tree step in plain steps), ...) ascending, from
+  # spec.step_cost.measure_step_costs; empty: no gate, every step of width > 1 is a tree.
+  tree_step_costs: tuple = ()
+  gate_config: gate.GateConfig = gate.GateConfig()
 
   @property
   def model(self) -> Transformer:
@@ -110,6 +122,14 @@ class SpecEngine(Engine):
     tc = self.tree_config
     return min(tc.node_bucket(tc.capacity(batch), batch), 1 + self.proposer.num_candidates)
 
+  def tree_step_cost(self, batch: int) -> float | None:
+    """The measured cost of a tree step at this bucket: that of the nearest measured batch
+    at or above it (the largest measured one beyond the table); None without a table."""
+    if not self.tree_step_costs:
+      return None
+    return next((cost for b, cost in self.tree_step_costs if b >= batch),
+                self.tree_step_costs[-1][1])
+
   @partial(jax.jit, static_argnums=(0, 4))
   def start(self, params: SpecParams, prompt_tokens, seqs: Sequences, cache_length: int):
     cache, hidden, logits = prefill(self.model, params.policy, prompt_tokens,
@@ -118,16 +138,49 @@ class SpecEngine(Engine):
     # A row carries one response for its whole life, so proposer state starts fresh per response.
     state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
                       tree_stats=TreeStats.zeros(batch, self.proposer.depth),
-                      proposer=self.proposer.init(batch, seqs.tokens.shape[1]))
+                      proposer=self.proposer.init(batch, seqs.tokens.shape[1]),
+                      gate=gate.GateState.zeros(batch))
     return constrain_rows(self.mesh, state)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
+    """One policy forward per row: a tree, or the plain step where a batch's budget is one
+    node per row."""
+    if self.tree_width(state.seqs.done.shape[0]) == 1:
+      return self.plain_step(params, state, seed_key)
+    return self.tree_step(params, state, seed_key)
+
+  def advance(self, params: SpecParams, state: SpecState, seed_key, keep_going) -> SpecState:
+    """With a gate: a segment of tree steps while they pay, else of plain steps until they
+    would (a tree is due to probe, or the estimate has moved).
+
+    A segment, not a single step, sits inside the lax.cond. XLA:CPU copies every cache layer
+    that a cond branch writes, once per execution of the cond. Once per step, that cost
+    stories260K at B=64 7.0 -> 9.5 ms per plain step; once per segment (up to
+    probe_interval steps) it is negligible.
+    """
+    batch = state.seqs.done.shape[0]
+    cost = self.tree_step_cost(batch)
+    if self.tree_width(batch) == 1 or cost is None:
+      return self.step(params, state, seed_key)
+    pays = lambda s: gate.tree_pays(self.gate_config, s.gate, ~s.seqs.done, cost)
+
+    def segment(step, stay):
+      def run(s):
+        s = step(params, s, seed_key)
+        return jax.lax.while_loop(lambda s: keep_going(s) & stay(s),
+                                  lambda s: step(params, s, seed_key), s)
+      return run
+
+    with jax.named_scope('gate'):
+      use_tree = pays(state)
+    return jax.lax.cond(use_tree, segment(self.tree_step, pays),
+                        segment(self.plain_step, lambda s: ~pays(s)), state)
+
+  def tree_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
     """One speculative step; each stage is a named scope (experiments.profile_step's rows)."""
     seqs, tc, depth = state.seqs, self.tree_config, self.proposer.depth
     batch, running = seqs.done.shape[0], ~seqs.done
     width = self.tree_width(batch)
-    if width == 1:
-      return self._plain_step(params, state, seed_key)
     levels = min(depth, width - 1)  # a tree of N slots never reaches below depth N - 1
     positions = seqs.next_positions
     with jax.named_scope('root_draw'):
@@ -153,27 +206,28 @@ class SpecEngine(Engine):
     feedback = result.feedback(running, levels)
     with jax.named_scope('statistics'):
       tree_stats = state.tree_stats.record(feedback, budget, running)
+      gate_state = gate.after_tree(self.gate_config, state.gate, result.accepted, running)
     with jax.named_scope('observe'):
       proposer_state = self.proposer.observe(params.proposer, state.proposer, context,
                                              proposal, feedback)
     return constrain_rows(self.mesh, SpecState(
         cache=cache, next_logits=result.last_logits, last_hidden=result.last_hidden(hidden),
-        seqs=seqs, tree_stats=tree_stats, proposer=proposer_state))
+        seqs=seqs, tree_stats=tree_stats, proposer=proposer_state, gate=gate_state))
 
-  def _plain_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
-    """A batch whose budget is one node per row has nothing to verify: the vanilla step
-    (the same draw, one-token forward and projection, so it costs what vanilla's does and
-    emits the same bits). The proposer is not consulted; its state is carried unchanged,
-    so feedback on proposals made before stops (Reflex's pending sketches for these
-    positions never mature)."""
+  def plain_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
+    """The vanilla step (the same draw, one-token forward and projection, so it costs what
+    vanilla's does and emits the same bits), for a batch whose budget is one node per row
+    or whose trees the gate expects not to pay. The proposer is not consulted; its state is
+    carried unchanged, so feedback on proposals made before stops (Reflex's pending
+    sketches for these positions never mature)."""
     running = ~state.seqs.done
     hidden, cache, logits, seqs = decode_one(self.model, params.policy, state.cache,
                                              state.next_logits, state.seqs, seed_key,
                                              self.sampler, self.eos_ids)
-    stats = state.tree_stats
     return constrain_rows(self.mesh, state.replace(
         cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
-        tree_stats=stats.replace(nodes=stats.nodes + running.astype(jnp.float32))))
+        tree_stats=state.tree_stats.record_plain(running),
+        gate=gate.after_plain(state.gate, running)))
 
   def _verify_forward(self, policy_params, tree, positions, cache):
     """Every tree node through the policy at once: positions = prefix length + depth, each
@@ -196,7 +250,8 @@ class SpecEngine(Engine):
     summary.update(
         acceptance_by_depth=(accepted / np.maximum(reached, 1)).round(4).tolist(),
         accepted_by_depth=accepted.astype(int).tolist(),
-        mean_tree_nodes=float(total('nodes')) / max(summary['row_forwards'], 1))
+        mean_tree_nodes=float(total('nodes')) / max(summary['row_forwards'], 1),
+        tree_step_share=float(total('trees')) / max(summary['row_forwards'], 1))
     summary.update(self.proposer.summarize([r.stats.proposer for r in responses],
                                            [r.steps for r in responses]))
     return summary

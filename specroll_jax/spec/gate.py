@@ -1,0 +1,72 @@
+"""The speculation gate: each step, a tree only when it is expected to pay for itself.
+
+At a batch bucket a tree step costs `cost` plain (vanilla) steps, as measured on the
+engine's own steps by spec/step_cost.py. A tree step emits 1 + accepted tokens per row, and a
+plain step emits 1. For each row the gate keeps a running mean of the draft tokens accepted
+per tree step. It runs the tree when the running rows' mean says 1 + accepted > cost.
+
+Rows learn nothing during plain steps, so the gate probes with one tree step every
+`probe_interval` steps, and the first `warmup_tree_steps` steps of a response are always
+trees. Both kinds of step emit exactly the vanilla tokens, so the gate changes only the speed.
+
+When the tree does not pay, it wastes at most (cost - 1 - accepted) plain steps per probe,
+plus that much per warm-up step. Over a response of S steps this is a share of about
+(cost - 1 - accepted) * (warmup / S + 1 / probe_interval). On W3 at 16 responses
+(cost 2.1, accepted 0.3, S ~ 200) the defaults keep it near 2%.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+  warmup_tree_steps: int = 2  # trees every response starts with, before the mean is trusted
+  probe_interval: int = 64    # the longest run of plain steps before a probing tree step
+  horizon: int = 16           # the mean covers the first `horizon` trees, then decays at 1/horizon
+
+  def __post_init__(self):
+    if self.warmup_tree_steps < 1 or self.probe_interval < 1 or self.horizon < 1:
+      raise ValueError('GateConfig: warmup_tree_steps, probe_interval and horizon must be '
+                       f'>= 1, got {self}')
+
+
+@struct.dataclass
+class GateState:
+  """Per-row state, so it survives the driver's compaction like every other row."""
+  accepted: jax.Array    # float32 [B] mean draft tokens accepted per tree step
+  tree_steps: jax.Array  # int32 [B] tree steps this response has taken
+  since_tree: jax.Array  # int32 [B] steps since this response's last tree step
+
+  @classmethod
+  def zeros(cls, batch: int) -> 'GateState':
+    return cls(accepted=jnp.zeros((batch,)), tree_steps=jnp.zeros((batch,), jnp.int32),
+               since_tree=jnp.zeros((batch,), jnp.int32))
+
+
+def expected_tokens(state: GateState, running) -> jax.Array:
+  """Tokens per row that a tree step is expected to emit: 1 + the running rows' mean."""
+  live = running.astype(jnp.float32)
+  return 1.0 + jnp.sum(live * state.accepted) / jnp.maximum(jnp.sum(live), 1.0)
+
+
+def tree_pays(config: GateConfig, state: GateState, running, cost: float) -> jax.Array:
+  """bool []: run the tree at this step (warming up, probing, or expected to pay)."""
+  warming_up = jnp.any(running & (state.tree_steps < config.warmup_tree_steps))
+  probing = jnp.any(running & (state.since_tree >= config.probe_interval))
+  return warming_up | probing | (expected_tokens(state, running) > cost)
+
+
+def after_tree(config: GateConfig, state: GateState, accepted, running) -> GateState:
+  """Folds a tree step's accepted draft tokens per row (int [B]) into the running means."""
+  steps = state.tree_steps + running.astype(jnp.int32)
+  weight = 1.0 / jnp.minimum(jnp.maximum(steps, 1), config.horizon).astype(jnp.float32)
+  mean = state.accepted + weight * (accepted.astype(jnp.float32) - state.accepted)
+  return GateState(accepted=jnp.where(running, mean, state.accepted), tree_steps=steps,
+                   since_tree=jnp.where(running, 0, state.since_tree))
+
+
+def after_plain(state: GateState, running) -> GateState:
+  return state.replace(since_tree=state.since_tree + running.astype(jnp.int32))

@@ -1,0 +1,65 @@
+"""What a tree step costs at each batch bucket, in plain steps: the speculation gate's price.
+
+Measured on the engine's own compiled steps and on a rollout's own first state, not derived
+from the capacity profile's forward latencies. Proposing and walking cost a third to a half
+of a decode step on W3 (WORKSPACE_NOTES, the step profile), and a forward-only price would
+leave that out.
+"""
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from specroll_jax.rollout.driver import Driver, take_rows
+from specroll_jax.rollout.engine import LOOP_COMPILER_OPTIONS
+
+
+def _compiled(step):
+  # The state is donated, so the cache is updated in place as in the decode loop, and not
+  # copied once per call (a copy would add the same constant to both steps).
+  return jax.jit(step, donate_argnums=1, compiler_options=LOOP_COMPILER_OPTIONS)
+
+
+def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 5) -> tuple:
+  """((batch, tree step time / plain step time), ...) ascending, for every bucket in `buckets`
+  at or below the batch of `state` whose trees have more than one node per row.
+
+  Each bucket's state is the first `batch` rows of `state`, typically the driver's first
+  state. Tree and plain steps alternate on that state as it advances, so a drift in
+  background load hits both alike. The cost is the median ratio over `repeats` pairs.
+  """
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}')
+  full = state.seqs.done.shape[0]
+  tree_step, plain_step = _compiled(engine.tree_step), _compiled(engine.plain_step)
+  costs = []
+  for batch in sorted(b for b in buckets if b <= full):
+    if engine.tree_width(batch) == 1:
+      continue
+    rows = take_rows(state, jnp.arange(batch, dtype=jnp.int32))
+    rows = jax.block_until_ready(plain_step(params, tree_step(params, rows, seed_key), seed_key))
+    ratios = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      rows = jax.block_until_ready(tree_step(params, rows, seed_key))
+      tree_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+      rows = jax.block_until_ready(plain_step(params, rows, seed_key))
+      ratios.append(tree_seconds / (time.perf_counter() - start))
+    costs.append((batch, statistics.median(ratios)))
+    logging.info('tree step at batch %d (width %d): %.2f plain steps', batch,
+                 engine.tree_width(batch), costs[-1][1])
+  return tuple(costs)
+
+
+def with_measured_step_costs(engine, rollout_config, params, prompts, num_samples: int,
+                             data_size: int = 1, repeats: int = 5):
+  """`engine` with its gate priced on this workload: the tree-step costs measured on the
+  first state a Driver(engine, rollout_config) would run for `prompts` x `num_samples`."""
+  driver = Driver(engine, rollout_config, data_size)
+  state = driver.first_state(params, prompts, num_samples)
+  costs = measure_step_costs(engine, params, state, jax.random.key(0), driver.buckets, repeats)
+  return dataclasses.replace(engine, tree_step_costs=costs)

@@ -1,0 +1,80 @@
+"""The speculation gate's rule and the step-cost measurement that prices it."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax.rollout.driver import RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.spec import gate
+from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.gate import GateConfig, GateState
+from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.spec.tree import TreeConfig
+
+CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, horizon=4)
+
+
+def _state(accepted, tree_steps, since_tree):
+  return GateState(accepted=jnp.asarray(accepted, jnp.float32),
+                   tree_steps=jnp.asarray(tree_steps, jnp.int32),
+                   since_tree=jnp.asarray(since_tree, jnp.int32))
+
+
+def test_tree_runs_while_warming_up_probing_or_paying():
+  running = jnp.array([True, True, False])
+  # Warmed up, last tree one step ago, 1 + mean(0.5, 1.5) = 2.0 tokens expected.
+  settled = _state([0.5, 1.5, 9.0], [5, 5, 0], [1, 1, 0])
+  assert float(gate.expected_tokens(settled, running)) == 2.0  # the finished row is ignored
+  assert bool(gate.tree_pays(CONFIG, settled, running, 1.9))
+  assert not bool(gate.tree_pays(CONFIG, settled, running, 2.1))
+  warming = settled.replace(tree_steps=jnp.array([5, 1, 5], jnp.int32))
+  assert bool(gate.tree_pays(CONFIG, warming, running, 2.1))
+  probing = settled.replace(since_tree=jnp.array([4, 4, 0], jnp.int32))
+  assert bool(gate.tree_pays(CONFIG, probing, running, 2.1))
+  # A finished row neither warms up nor probes.
+  finished_only = settled.replace(tree_steps=jnp.array([5, 5, 0], jnp.int32),
+                                  since_tree=jnp.array([1, 1, 9], jnp.int32))
+  assert not bool(gate.tree_pays(CONFIG, finished_only, running, 2.1))
+
+
+def test_running_mean_then_decay_and_plain_steps_count():
+  running = jnp.array([True, False])
+  state = GateState.zeros(2)
+  for accepted in (4, 2):
+    state = gate.after_tree(CONFIG, state, jnp.array([accepted, 7]), running)
+  # A plain mean over the first trees (3.0), then weight 1 / horizon.
+  np.testing.assert_allclose(np.asarray(state.accepted), [3.0, 0.0])
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running)  # 3 + (0 - 3) / 3
+  state = gate.after_tree(CONFIG, state, jnp.array([4, 7]), running)  # 2 + (4 - 2) / 4
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running)  # 2.5 - 2.5 / 4
+  np.testing.assert_allclose(np.asarray(state.accepted), [1.875, 0.0])
+  assert state.tree_steps.tolist() == [5, 0]
+  state = gate.after_plain(gate.after_plain(state, running), running)
+  assert state.since_tree.tolist() == [2, 0]
+  assert gate.after_tree(CONFIG, state, jnp.array([1, 1]), running).since_tree.tolist() == [0, 0]
+
+
+def test_config_rejects_nonpositive_fields():
+  with pytest.raises(ValueError, match='probe_interval'):
+    GateConfig(probe_interval=0)
+
+
+def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):
+  policy = stories_policy
+  heads = HeadsConfig(num_heads=2)
+  sampler = SamplerConfig(temperature=1.0)
+  proposer = HeadProposer(policy.config, heads, HeadDraftConfig((2, 2)), sampler)
+  # C_hw = 8 tokens: widths 4 at 2 rows, 2 at 4 rows, 1 (plain, unpriced) at 8 rows.
+  engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=8, max_nodes=4),
+                      sampler, (2,))
+  params = engine.params(policy.params, init_heads(heads, policy.config, seed=0))
+  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+  priced = with_measured_step_costs(engine, RolloutConfig(max_new_tokens=16, max_batch=8),
+                                    params, prompts, 4, repeats=2)
+  assert [b for b, _ in priced.tree_step_costs] == [1, 2, 4]
+  assert all(cost > 0 for _, cost in priced.tree_step_costs)
+  assert priced.tree_step_cost(8) == priced.tree_step_costs[-1][1]
+  assert priced.tree_step_cost(3) == priced.tree_step_costs[2][1]
+  assert engine.tree_step_cost(4) is None
