@@ -13,13 +13,14 @@ from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.spec.step_cost import with_measured_step_costs
 from specroll_jax.spec.tree import TreeConfig
 
-CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, horizon=4)
+CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, max_probe_interval=16, horizon=4)
 
 
 def _state(accepted, tree_steps, since_tree):
   return GateState(accepted=jnp.asarray(accepted, jnp.float32),
                    tree_steps=jnp.asarray(tree_steps, jnp.int32),
-                   since_tree=jnp.asarray(since_tree, jnp.int32))
+                   since_tree=jnp.asarray(since_tree, jnp.int32),
+                   interval=jnp.full((len(accepted),), CONFIG.probe_interval, jnp.int32))
 
 
 def test_tree_runs_while_warming_up_probing_or_paying():
@@ -41,24 +42,40 @@ def test_tree_runs_while_warming_up_probing_or_paying():
 
 def test_running_mean_then_decay_and_plain_steps_count():
   running = jnp.array([True, False])
-  state = GateState.zeros(2)
+  state = GateState.init(CONFIG, 2)
   for accepted in (4, 2):
-    state = gate.after_tree(CONFIG, state, jnp.array([accepted, 7]), running)
+    state = gate.after_tree(CONFIG, state, jnp.array([accepted, 7]), running, 1.5)
   # A plain mean over the first trees (3.0), then weight 1 / horizon.
   np.testing.assert_allclose(np.asarray(state.accepted), [3.0, 0.0])
-  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running)  # 3 + (0 - 3) / 3
-  state = gate.after_tree(CONFIG, state, jnp.array([4, 7]), running)  # 2 + (4 - 2) / 4
-  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running)  # 2.5 - 2.5 / 4
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5)  # 3 + (0 - 3) / 3
+  state = gate.after_tree(CONFIG, state, jnp.array([4, 7]), running, 1.5)  # 2 + (4 - 2) / 4
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5)  # 2.5 - 2.5 / 4
   np.testing.assert_allclose(np.asarray(state.accepted), [1.875, 0.0])
   assert state.tree_steps.tolist() == [5, 0]
   state = gate.after_plain(gate.after_plain(state, running), running)
   assert state.since_tree.tolist() == [2, 0]
-  assert gate.after_tree(CONFIG, state, jnp.array([1, 1]), running).since_tree.tolist() == [0, 0]
+  assert gate.after_tree(CONFIG, state, jnp.array([1, 1]), running,
+                         1.5).since_tree.tolist() == [0, 0]
+
+
+def test_probes_that_do_not_pay_back_off_and_a_tree_that_pays_resets():
+  running = jnp.array([True, False])
+  state = GateState.init(CONFIG, 2)
+  intervals = []
+  for _ in range(4):
+    state = gate.after_tree(CONFIG, state, jnp.array([0, 0]), running, 2.0)
+    intervals.append(state.interval.tolist())
+  # Doubling up to max_probe_interval; the finished row keeps its interval.
+  assert intervals == [[8, 4], [16, 4], [16, 4], [16, 4]]
+  paid = gate.after_tree(CONFIG, state, jnp.array([9, 0]), running, 2.0)  # mean 9 / 5 + 1 > 2
+  assert paid.interval.tolist() == [4, 4]
 
 
 def test_config_rejects_nonpositive_fields():
   with pytest.raises(ValueError, match='probe_interval'):
     GateConfig(probe_interval=0)
+  with pytest.raises(ValueError, match='max_probe_interval 8 < probe_interval 16'):
+    GateConfig(probe_interval=16, max_probe_interval=8)
 
 
 def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):

@@ -184,7 +184,8 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
 
 # A quick probe and a price no tree pays: the gate alternates warm-up and probing trees with
 # plain steps, so both kinds of step (and the switch between them) emit every response.
-PROBING_GATE = dict(tree_step_costs=((8, 1e9),), gate_config=GateConfig(probe_interval=3))
+PROBING_GATE = dict(tree_step_costs=((8, 1e9),),
+                    gate_config=GateConfig(probe_interval=3, max_probe_interval=3))
 
 
 @pytest.mark.parametrize('sampler,oracle', [(SamplerConfig(temperature=0.0), True),

@@ -139,7 +139,7 @@ class SpecEngine(Engine):
     state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
                       tree_stats=TreeStats.zeros(batch, self.proposer.depth),
                       proposer=self.proposer.init(batch, seqs.tokens.shape[1]),
-                      gate=gate.GateState.zeros(batch))
+                      gate=gate.GateState.init(self.gate_config, batch))
     return constrain_rows(self.mesh, state)
 
   def step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
@@ -206,7 +206,9 @@ class SpecEngine(Engine):
     feedback = result.feedback(running, levels)
     with jax.named_scope('statistics'):
       tree_stats = state.tree_stats.record(feedback, budget, running)
-      gate_state = gate.after_tree(self.gate_config, state.gate, result.accepted, running)
+      cost = self.tree_step_cost(batch)  # None: no gate, so every tree counts as paying
+      gate_state = gate.after_tree(self.gate_config, state.gate, result.accepted, running,
+                                   0.0 if cost is None else cost)
     with jax.named_scope('observe'):
       proposer_state = self.proposer.observe(params.proposer, state.proposer, context,
                                              proposal, feedback)
