@@ -20,6 +20,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import load_heads
+from specroll_jax.spec.step_cost import with_measured_step_costs
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -42,6 +43,9 @@ flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root incl
 flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
                   'Attention of the verification forward: xla or the Pallas kernel.')
 flags.DEFINE_list('branching', ['8', '4', '2', '2'], 'Candidate ranks per tree depth.')
+flags.DEFINE_bool('speculation_gate', True,
+                  'engine=specroll: a plain step wherever a tree is not expected to pay for '
+                  'its cost, measured on these prompts before generating (spec/gate.py).')
 flags.DEFINE_integer('max_batch', 64, 'Largest compiled batch bucket.')
 flags.DEFINE_integer('mesh_data', 1, 'Devices on the data axis (-1: all).')
 flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Parameter dtype.')
@@ -71,7 +75,10 @@ def main(argv):
   engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,
                        tree_attention=FLAGS.tree_attention)
   params = engine.params(policy.params, heads)
-  driver = Driver(engine, RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch), data_size=rows)
+  rollout = RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch)
+  if FLAGS.engine == 'specroll' and FLAGS.speculation_gate:
+    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples, rows)
+  driver = Driver(engine, rollout, data_size=rows)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)
   out = Path(FLAGS.out)

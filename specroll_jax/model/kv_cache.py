@@ -6,13 +6,13 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  """Keys/values per layer: tuples of L arrays, keys [B, KVH, Dh, S] and values [B, KVH, S, Dh];
-  `lengths[b]` slots of row b are valid.
+  """Keys/values per layer: tuples of L arrays [B, KVH, S, Dh]; `lengths[b]` slots of row b
+  are valid.
 
-  Both layouts make the attention products plain matmuls over a row's slots (scores
-  q[G, Dh] @ K[Dh, S], outputs p[G, S] @ V[S, Dh]); with keys stored [S, Dh] XLA:CPU's
-  score product ran at a third of the value product's speed (W3, B=16, 384 slots: the
-  decode step 135 -> 99 ms with transposed keys). One buffer per layer, not one stacked
+  Head-major, so a row's slots for one head are contiguous and the attention products are
+  plain batched matmuls without a transpose of the cache per step. A keys layout
+  transposed to [B, KVH, Dh, S] ran W3's score products faster but broke the 1e-5 log-prob
+  test (WORKSPACE_NOTES), so it is not used. One buffer per layer, not one stacked
   [L, ...] array: XLA:CPU copied a layer's slice of a stacked array before the products read
   it (score products 65 ms per step instead of 18 ms).
   """
