@@ -13,8 +13,9 @@ vanilla tokens, so the gate changes only the speed.
 
 When trees do not pay, each probe and each warm-up step wastes (cost - 1 - accepted) plain
 steps. A response of S steps takes about log2(S / probe_interval) + 1 probes. On
-stories260K at 16 rows (cost 3.3 with random heads, S = 256), probes at a fixed interval of
-64 cost 5.8% of a plain loop.
+stories260K at 16 rows (cost 3.3 with random heads, S = 256), two warm-up trees and probes at
+a fixed interval of 64 cost 5.8% of a plain loop. On W1 (S ~ 40 steps, cost 2.1-2.3) two
+warm-up trees alone cost ~6%, hence one.
 """
 import dataclasses
 
@@ -25,7 +26,7 @@ from flax import struct
 
 @dataclasses.dataclass(frozen=True)
 class GateConfig:
-  warmup_tree_steps: int = 2  # trees every response starts with, before the mean is trusted
+  warmup_tree_steps: int = 1  # trees every response starts with, before the mean is trusted
   probe_interval: int = 32    # plain steps before the first probing tree step
   max_probe_interval: int = 512  # the longest run of plain steps, after probes that failed
   horizon: int = 16           # the mean covers the first `horizon` trees, then decays at 1/horizon
