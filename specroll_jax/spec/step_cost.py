@@ -37,9 +37,9 @@ def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 
   at or below the batch of `state` whose trees have more than one node per row.
 
   Each bucket's state is the first `batch` rows of `state`, typically the driver's first
-  state. Calls of STEPS_PER_CALL tree steps and of as many plain steps alternate on that
-  state as it advances, so a drift in background load hits both alike. The cost is the
-  median ratio over `repeats` pairs of calls.
+  state. Calls of STEPS_PER_CALL tree steps and of as many plain steps alternate, each from
+  that state, so a drift in background load hits both alike. The cost is the median ratio
+  over `repeats` pairs of calls.
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}')
@@ -49,15 +49,20 @@ def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 
   for batch in sorted(b for b in buckets if b <= full):
     if engine.tree_width(batch) == 1:
       continue
-    rows = take_rows(state, jnp.arange(batch, dtype=jnp.int32))
-    rows = jax.block_until_ready(plain_step(params, tree_step(params, rows, seed_key), seed_key))
+    first_rows = jnp.arange(batch, dtype=jnp.int32)
+    jax.block_until_ready(plain_step(params, tree_step(params, take_rows(state, first_rows),
+                                                       seed_key), seed_key))
     ratios = []
     for _ in range(repeats):
+      # Every pair starts from the first state: rows that ran on would finish (an oracle
+      # accepts up to 16 tokens per step), and steps over finished rows walk nothing.
+      rows = jax.block_until_ready(take_rows(state, first_rows))
       start = time.perf_counter()
-      rows = jax.block_until_ready(tree_step(params, rows, seed_key))
+      jax.block_until_ready(tree_step(params, rows, seed_key))
       tree_seconds = time.perf_counter() - start
+      rows = jax.block_until_ready(take_rows(state, first_rows))
       start = time.perf_counter()
-      rows = jax.block_until_ready(plain_step(params, rows, seed_key))
+      jax.block_until_ready(plain_step(params, rows, seed_key))
       ratios.append(tree_seconds / (time.perf_counter() - start))
     costs.append((batch, statistics.median(ratios)))
     logging.info('tree step at batch %d (width %d): %.2f plain steps', batch,
