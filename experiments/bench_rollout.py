@@ -141,9 +141,14 @@ def main(argv):
   prices = {}  # priced on the main run, the largest batch, for every smaller bucket
   main_run = compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices)
   rows = len(prompts) * samples
-  sweep = {b: compare(policy, heads_config, heads, *sweep_slice(prompts, samples, b), c, tree,
-                      sampler, prices)
-           for b in c.batch_sweep if b != rows}
+  sweep = {}
+  for b in c.batch_sweep:
+    if b != rows:
+      # Each compare compiles its own engines; without this the W3 sweep with the gate's
+      # pricing ran out of memory maps (vm.max_map_count 65,530) in its last compile.
+      jax.clear_caches()
+      sweep[b] = compare(policy, heads_config, heads, *sweep_slice(prompts, samples, b), c,
+                         tree, sampler, prices)
   sweep[rows] = main_run
   num_params = sum(x.size for x in jax.tree.leaves(policy.params))
   # The roofline's cache holds the mean prompt plus half the mean vanilla response: the
