@@ -108,6 +108,8 @@ class Rollouts:
     r = c.rollout
     self.group_size = r.group_size
     self.step_costs_path = step_costs_path if r.engine == 'specroll' and r.speculation_gate else None
+    # Priced once, even when no bucket has trees (the prices are then empty).
+    self.unpriced = self.step_costs_path is not None
     self.proposer = tree = None
     if r.engine == 'specroll':
       self.proposer = head_proposer(policy, heads_config, heads_dir, sampler(c),
@@ -125,8 +127,9 @@ class Rollouts:
 
   def generate(self, policy_params, head_params, prompts, seed):
     params = self.engine.params(policy_params, head_params)
-    if self.step_costs_path is not None and not self.engine.tree_step_costs:
+    if self.unpriced:
       self._price_gate(params, prompts)
+      self.unpriced = False
     return self.driver.generate(params, prompts, self.group_size, seed)
 
   def _price_gate(self, params, prompts):
