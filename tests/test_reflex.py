@@ -5,6 +5,13 @@ import numpy as np
 
 from specroll_jax.adapt import reflex
 from specroll_jax.adapt.reflex import ReflexConfig, ReflexState
+from specroll_jax.adapt.reflex_proposer import ReflexProposer
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.spec.tree import TreeConfig
 
 VOCAB, DIM, HEADS, TOP = 128, 64, 2, 16  # DIM as in stories260K; TOP: proposal K and policy M
 
@@ -127,3 +134,43 @@ def test_state_is_per_row_and_fresh_for_each_response():
   for row in (0, 2):
     assert float(jnp.abs(state.memory[row]).max()) == 0.0
     assert float(state.matured[row].max()) == 0.0
+
+
+def test_shut_rows_listen_on_a_schedule_and_open_rows_always():
+  config = ReflexConfig(shut_listen_interval=8)
+  state = ReflexState.init(6, HEADS, DIM, TOP, 8).replace(
+      proposals=jnp.array([0, 1, 2, 7, 8, 9], jnp.int32))
+  shut = jnp.zeros((6, HEADS))
+  sketches, hears = reflex.listening(config, state, shut)
+  # One sketch every 8 proposals; its targets lie within the next HEADS (2) proposals.
+  assert sketches.tolist() == [True, False, False, False, True, False]
+  assert hears.tolist() == [True, True, False, False, True, True]
+  sketches, hears = reflex.listening(config, state, shut.at[:, 1].set(0.3))
+  assert all(sketches.tolist()) and all(hears.tolist())
+  sketches, hears = reflex.listening(ReflexConfig(shut_listen_interval=1), state, shut)
+  assert all(sketches.tolist()) and all(hears.tolist())
+
+
+def test_a_shut_reflex_hears_only_its_scheduled_feedback(stories_policy):
+  """Inside the engine, with every gate shut: one sketch per `shut_listen_interval` proposals
+  (so at most that many feedbacks per head), and the same tokens as listening always."""
+  policy, sampler = stories_policy, SamplerConfig(temperature=0.0)
+  heads_config = HeadsConfig(num_heads=2)
+  heads = init_heads(heads_config, policy.config, seed=1)
+  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat sat on')]
+
+  def run(interval):
+    proposer = ReflexProposer(HeadProposer(policy.config, heads_config, HeadDraftConfig((2, 1)),
+                                           sampler),
+                              ReflexConfig(gate_threshold=0.99, shut_listen_interval=interval))
+    engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=16, max_nodes=4),
+                        sampler, ())
+    return Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=2)).generate(
+        engine.params(policy.params, heads), prompts, 1, 0)
+
+  sparse, every_step = run(8), run(1)
+  assert [r.token_ids for r in sparse] == [r.token_ids for r in every_step]
+  for r in sparse:
+    assert r.stats.proposer.matured.max() <= -(-r.steps // 8), (r.steps, r.stats.proposer.matured)
+  heard = lambda rs: sum(float(r.stats.proposer.matured.sum()) for r in rs)
+  assert 0 < heard(sparse) < heard(every_step) / 4

@@ -196,7 +196,7 @@ def test_gated_steps_identical(stories_policy, sampler, oracle):
                             _encode(stories_policy), 2, 30, 8, (2,), oracle=oracle, seed=3,
                             **PROBING_GATE)
   _check(vanilla, spec, greedy=sampler.temperature == 0.0)
-  trees = [float(s.stats.tree.trees) for s in spec]
+  trees = [int(s.stats.gate.tree_steps) for s in spec]
   assert all(0 < t < s.steps for t, s in zip(trees, spec)), (trees, [s.steps for s in spec])
 
 
@@ -207,7 +207,7 @@ def test_gate_that_pays_runs_every_step_as_a_tree(stories_policy):
                             _encode(stories_policy), 2, 20, 8, (2,), oracle=True,
                             tree_step_costs=((8, 0.5),))
   _check(vanilla, spec, greedy=True)
-  assert all(float(s.stats.tree.trees) == s.steps for s in spec)
+  assert all(int(s.stats.gate.tree_steps) == s.steps for s in spec)
 
 
 def test_independent_seeds_give_the_same_token_law(stories_policy):

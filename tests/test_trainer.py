@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs.tiny_math import get_config
-from specroll_jax.rl.trainer import train
+from specroll_jax.rl.trainer import STEP_COSTS_FILE, train
 from tests.conftest import REPO, STORIES
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight
@@ -54,6 +54,10 @@ ALWAYS_TRIGGER = {'adaptation.monitor.drop': -1.0, 'adaptation.monitor.regret_z'
 
 
 def test_specroll_and_vanilla_training_agree(tmp_path):
+  # Prices saved as a resumed run finds them: a tree step priced below one plain step
+  # always pays, so every step verifies a tree (pricing itself is tested in test_gate.py).
+  (tmp_path / 'spec').mkdir()
+  (tmp_path / 'spec' / STEP_COSTS_FILE).write_text(json.dumps([[16, 0.5]]))
   spec = train(_config(rollout__engine='specroll', **{k.replace('.', '__'): v
                                                       for k, v in ALWAYS_TRIGGER.items()}),
                tmp_path / 'spec')

@@ -71,14 +71,23 @@ class ReflexProposer(Proposer):
               proposal: Proposal, feedback: Feedback) -> ReflexProposerState:
     del params
     record, seqs, branching = proposal.record, context.seqs, self.heads.draft.branching
-    positions = seqs.next_positions
-    memory = reflex.record_trace(state.reflex, seqs.steps, ~seqs.done, record.gate,
+    positions, running = seqs.next_positions, ~seqs.done
+    sketches, hears = reflex.listening(self.config, state.reflex, record.gate)
+
+    def learn(memory):
+      memory = reflex.record_proposals(memory, record.guesses.tokens,
+                                       jnp.log(record.guesses.probs), positions,
+                                       record.guesses.proposed & sketches[:, None])
+      return reflex.mature(self.config, memory, feedback.target_ids, feedback.target_probs,
+                           feedback.drew & hears[:, None], positions, branching,
+                           context.vocab.rows)
+
+    memory = reflex.record_trace(state.reflex, seqs.steps, running, record.gate,
                                  record.correction)
-    memory = reflex.record_proposals(memory, record.guesses.tokens,
-                                     jnp.log(record.guesses.probs), positions,
-                                     record.guesses.proposed)
-    memory = reflex.mature(self.config, memory, feedback.target_ids, feedback.target_probs,
-                           feedback.drew, positions, branching, context.vocab.rows)
+    # Skipping changes nothing: a row that does not hear does not sketch either, so when no
+    # running row hears, learn would leave the state as it is.
+    memory = jax.lax.cond(jnp.any(running & hears), learn, lambda m: m, memory)
+    memory = memory.replace(proposals=memory.proposals + running.astype(jnp.int32))
     return ReflexProposerState(
         heads=state.heads.record(record.guesses, feedback, branching), reflex=memory)
 

@@ -49,12 +49,11 @@ class TreeStats:
   reached: jax.Array   # float32 [B, H] draws at depth d where the tree had candidates
   accepted: jax.Array  # float32 [B, H] accepted nodes at depth d
   nodes: jax.Array     # float32 [B] tree nodes verified (the budget summed over steps)
-  trees: jax.Array     # float32 [B] steps that verified a tree (the rest were plain steps)
 
   @classmethod
   def zeros(cls, batch: int, depth: int) -> 'TreeStats':
     return cls(reached=jnp.zeros((batch, depth)), accepted=jnp.zeros((batch, depth)),
-               nodes=jnp.zeros((batch,)), trees=jnp.zeros((batch,)))
+               nodes=jnp.zeros((batch,)))
 
   def record(self, feedback: Feedback, budget, running) -> 'TreeStats':
     live = running.astype(jnp.float32)
@@ -62,7 +61,7 @@ class TreeStats:
     return TreeStats(reached=self.reached + feedback.in_tree,
                      accepted=self.accepted + live[:, None] * (depth_index
                                                                <= feedback.accepted[:, None]),
-                     nodes=self.nodes + live * budget, trees=self.trees + live)
+                     nodes=self.nodes + live * budget)
 
   def record_plain(self, running) -> 'TreeStats':
     return self.replace(nodes=self.nodes + running.astype(jnp.float32))
@@ -73,6 +72,7 @@ class SpecRowStats:
   """Response.stats of a speculative rollout."""
   tree: TreeStats
   proposer: Any  # the proposer's row_stats
+  gate: gate.GateState  # its tree_steps: the steps that verified a tree (the rest were plain)
 
 
 @struct.dataclass
@@ -239,7 +239,8 @@ class SpecEngine(Engine):
                           tree.ancestor_mask(self.proposer.depth), cache)
 
   def row_stats(self, state: SpecState) -> SpecRowStats:
-    return SpecRowStats(tree=state.tree_stats, proposer=self.proposer.row_stats(state.proposer))
+    return SpecRowStats(tree=state.tree_stats, proposer=self.proposer.row_stats(state.proposer),
+                        gate=state.gate)
 
   def summarize(self, responses) -> dict:
     """tau, acceptance by depth (accepted / drawn where the tree reached), mean tree size,
@@ -253,7 +254,8 @@ class SpecEngine(Engine):
         acceptance_by_depth=(accepted / np.maximum(reached, 1)).round(4).tolist(),
         accepted_by_depth=accepted.astype(int).tolist(),
         mean_tree_nodes=float(total('nodes')) / max(summary['row_forwards'], 1),
-        tree_step_share=float(total('trees')) / max(summary['row_forwards'], 1))
+        tree_step_share=float(np.sum([r.stats.gate.tree_steps for r in responses]))
+        / max(summary['row_forwards'], 1))
     summary.update(self.proposer.summarize([r.stats.proposer for r in responses],
                                            [r.steps for r in responses]))
     return summary
