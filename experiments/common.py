@@ -4,7 +4,7 @@ import shutil
 from pathlib import Path
 
 from specroll_jax.rl.report import TIME_KEYS
-from specroll_jax.rl.trainer import METRICS_FILE, train
+from specroll_jax.rl.trainer import METRICS_FILE, STEP_COSTS_FILE, train
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
 DEFAULT_CHECKPOINT = STORIES260K_DIR
@@ -44,6 +44,8 @@ def run_fresh(run, workdir: Path) -> list[dict]:
   """Trains config `run` from step 0 in `workdir` (cached heads kept); returns its metrics."""
   shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)
   (workdir / METRICS_FILE).unlink(missing_ok=True)
+  # The gate's prices belong to the run: a fresh run measures its own.
+  (workdir / STEP_COSTS_FILE).unlink(missing_ok=True)
   train(run, workdir)
   return [json.loads(l) for l in (workdir / METRICS_FILE).read_text().splitlines() if l]
 

@@ -32,7 +32,6 @@ from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import grpo
 from specroll_jax.rl.report import write_report
 from specroll_jax.rl.sections import build
-from specroll_jax.rollout.buckets import prompt_bucket, sequence_width
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
@@ -102,14 +101,11 @@ class Rollouts:
   of a tree step per bucket) and the prices are saved in `step_costs_path`, so a resumed
   run makes the same tree-or-plain choices as the uninterrupted one.
 
-  Every batch has one prompt width, that of the run's longest prompt (`longest_prompt`):
-  each new width compiles the decode loops again, and on W1 the two GRPO steps that met a
-  new width generated at 0.23x and 0.06x of vanilla's speed (the gated loop compiles both
-  kinds of step).
+  Every batch has the run's one prompt width (`run_prompt_width`).
   """
 
   def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None,
-               longest_prompt: int, step_costs_path: Path | None = None):
+               prompt_width: int, step_costs_path: Path | None = None):
     r = c.rollout
     self.group_size = r.group_size
     self.step_costs_path = step_costs_path if r.engine == 'specroll' and r.speculation_gate else None
@@ -128,10 +124,9 @@ class Rollouts:
     if self.step_costs_path is not None:
       self.engine = dataclasses.replace(self.engine, gate_config=build(GateConfig, r.gate,
                                                                        'rollout.gate'))
-    shapes = RolloutConfig(r.max_new_tokens, max_batch=r.max_batch)
-    width = prompt_bucket(longest_prompt, shapes.prompt_bucket_min,
-                          shapes.prompt_buckets_per_octave)
-    self.driver = Driver(self.engine, dataclasses.replace(shapes, prompt_bucket_min=width))
+    # Every batch's prompts fit prompt_width, so every batch gets exactly that width.
+    self.driver = Driver(self.engine, RolloutConfig(r.max_new_tokens, max_batch=r.max_batch,
+                                                    prompt_bucket_min=prompt_width))
 
   def generate(self, policy_params, head_params, prompts, seed):
     params = self.engine.params(policy_params, head_params)
@@ -260,6 +255,18 @@ def drift_kl(model_config, initial_params, batch: grpo.RolloutBatch, temperature
                / max(mask.sum(), 1))
 
 
+def run_prompt_width(prompts: list[list[int]]) -> int:
+  """The one prompt width of a GRPO run: its longest prompt, rounded up to a multiple of 16.
+
+  Rollouts and the learner use it for every batch. Each new width compiles the decode
+  loops again: with power-of-two widths per batch, the two W1 GRPO steps that met a new
+  width generated at 0.23x and 0.06x of vanilla's speed (the gated loop compiles both kinds
+  of step). W1's prompts (65-154 tokens) get 160 slots, where batches of 8 prompts got 128
+  (70% of them) or 256.
+  """
+  return -(-max(len(p) for p in prompts) // 16) * 16
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
   """Drops metric lines after the restored step (written before an interruption)."""
   if path.exists():
@@ -286,7 +293,8 @@ def train(c, workdir) -> dict:
   if c.rollout.engine == 'specroll':
     heads_config, heads, heads_dir = warm_start_heads(policy, c, task_prompts, workdir,
                                                       policy_dir)
-  rollouts = Rollouts(policy, c, heads_config, heads_dir, max(len(p) for p in task_prompts),
+  prompt_width = run_prompt_width(task_prompts)
+  rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width,
                       workdir / STEP_COSTS_FILE)
   if heads_dir is not None:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
@@ -305,9 +313,7 @@ def train(c, workdir) -> dict:
     print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
   _truncate_metrics(metrics_path, int(state.step))
-  shapes = rollouts.driver.config
-  width = sequence_width(max(len(p) for p in task_prompts), c.rollout.max_new_tokens,
-                         shapes.prompt_bucket_min, shapes.prompt_buckets_per_octave)
+  width = prompt_width + c.rollout.max_new_tokens
   per_step = c.rollout.prompts_per_step
   last = {}
   with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr) as bar:
