@@ -16,6 +16,7 @@ from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.rl.grpo import GRPOConfig
 from specroll_jax.rl.sections import section
 from specroll_jax.spec.gate import GateConfig
+from specroll_jax.spec.group_proposer import GroupDraftConfig
 
 
 def get_config():
@@ -35,7 +36,10 @@ def get_config():
       engine='specroll', prompts_per_step=16, group_size=8, max_new_tokens=64,
       temperature=1.0, top_k=0, top_p=1.0, max_batch=128,
       capacity_tokens=0, max_nodes=64, branching=(8, 4, 2, 2), tree_attention='xla',
-      speculation_gate=True, gate=section(GateConfig)))
+      speculation_gate=True, gate=section(GateConfig),
+      # Drafting sources (spec.factory.PROPOSERS): the heads and the GRPO group's
+      # continuations, merged into one tree.
+      proposers='heads,group', group=section(GroupDraftConfig)))
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, num_sequences=512, held_out=64, steps=600))
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.

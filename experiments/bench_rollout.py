@@ -78,17 +78,22 @@ def hf_generate_run(policy, prompts, samples, c):
   return run, counted
 
 
-def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices):
-  """One side-by-side run of the engines on `prompts` x `samples`; with c.speculation_gate
-  the speculative engines' gates are priced from `prices` (measured when missing)."""
+def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices,
+            names=('vanilla', 'specroll', 'oracle')):
+  """One side-by-side run of the engines `names` (workloads.ENGINE_NAMES, vanilla first) on
+  `prompts` x `samples`; with c.speculation_gate the speculative engines' gates are priced
+  from `prices` (measured when missing)."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-  engines = workload_engines(policy, heads_config, c, tree, sampler)
+  engines = workload_engines(policy, heads_config, c, tree, sampler, names)
   reference = Driver(engines['vanilla'], rollout).generate(policy.params, prompts, samples,
                                                            c.seed)  # also compiles
-  params = {'vanilla': policy.params, 'specroll': engines['specroll'].params(policy.params, heads),
-            'oracle': oracle_engine_params(engines['oracle'], policy, heads, reference,
-                                           c.max_new_tokens)}
+  params = {name: engine.params(policy.params, heads) for name, engine in engines.items()
+            if name not in ('vanilla', 'oracle')}
+  params['vanilla'] = policy.params
+  if 'oracle' in engines:
+    params['oracle'] = oracle_engine_params(engines['oracle'], policy, heads, reference,
+                                            c.max_new_tokens)
   if c.speculation_gate:
     engines = gated_engines(engines, params, rollout, prompts, samples, prices)
   drivers = {name: Driver(engine, rollout) for name, engine in engines.items()}

@@ -17,7 +17,9 @@ from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
+from specroll_jax.spec.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
+                                       tree_config, with_group_drafts)
+from specroll_jax.spec.group_proposer import GroupDraftConfig
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import load_heads
 from specroll_jax.spec.step_cost import with_measured_step_costs
@@ -35,7 +37,11 @@ flags.DEFINE_integer('max_new_tokens', 128, 'Maximum generated tokens per respon
 flags.DEFINE_integer('seed', 0,
                      'Rollout seed (the randomness contract in specroll_jax/rollout/sampling.py).')
 flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
-flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll).')
+flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll with heads).')
+flags.DEFINE_string('proposers', None,
+                    'engine=specroll: drafting sources, a comma-separated subset of heads,group '
+                    '(group: continuations from the prompt and the other samples of it). '
+                    'Default: heads,group when --num_samples > 1, else heads.')
 flags.DEFINE_integer('capacity_tokens', 0,
                      'C_hw for the tree budget; 0 = the cached capacity profile (measured '
                      'on first use, see experiments.profile_capacity), per batch size.')
@@ -65,11 +71,16 @@ def main(argv):
     policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
   proposer = tree = heads = None
   if FLAGS.engine == 'specroll':
-    if not FLAGS.heads:
-      sys.exit('error: --engine=specroll needs --heads (a directory from experiments.train_heads)')
-    heads_config, heads = load_heads(FLAGS.heads, policy.config)
-    proposer = head_proposer(policy, heads_config, FLAGS.heads, sampler,
-                             HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
+    names = parse_proposers(FLAGS.proposers or
+                            ('heads,group' if FLAGS.num_samples > 1 else 'heads'))
+    if 'heads' in names:
+      if not FLAGS.heads:
+        sys.exit('error: --engine=specroll with heads needs --heads (a directory from '
+                 'experiments.train_heads), or --proposers=group')
+      heads_config, heads = load_heads(FLAGS.heads, policy.config)
+      proposer = head_proposer(policy, heads_config, FLAGS.heads, sampler,
+                               HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
+    proposer = with_group_drafts(proposer, names, GroupDraftConfig())
     tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
   rows = data_size(mesh) if mesh else 1
   engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,

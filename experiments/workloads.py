@@ -8,8 +8,10 @@ import numpy as np
 from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rl.sections import build
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.factory import head_proposer, make_engine
+from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
@@ -60,16 +62,31 @@ def sweep_slice(prompts, samples, responses):
   return prompts[:max(1, responses // per_prompt)], per_prompt
 
 
-def workload_engines(policy, heads_config, c, tree, sampler) -> dict:
-  """'vanilla', 'specroll' (the warm-started heads) and 'oracle' (the vanilla rollout's
-  true future before the heads' candidates), with the same trees and budget."""
+ENGINE_NAMES = ('vanilla', 'specroll', 'oracle', 'group', 'both')
+
+
+def workload_engines(policy, heads_config, c, tree, sampler,
+                     names=('vanilla', 'specroll', 'oracle')) -> dict:
+  """The engines `names` of ENGINE_NAMES, with the same trees and budget: 'vanilla';
+  'specroll' (the warm-started heads); 'oracle' (the vanilla rollout's true future before
+  the heads' candidates); 'group' (group drafts alone, c.group); 'both' (group drafts merged
+  with the heads)."""
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))
-  return {'vanilla': VanillaEngine(policy.config, sampler, policy.eos_ids),
-          'specroll': make_engine(policy, 'specroll', sampler, proposer=heads_proposer,
-                                  tree=tree),
-          'oracle': make_engine(policy, 'specroll', sampler,
-                                proposer=OracleProposer(heads_proposer), tree=tree)}
+  group_drafts = (build(GroupDraftConfig, c.group, 'group')
+                  if {'group', 'both'} & set(names) else None)
+  speculative = lambda proposer: make_engine(policy, 'specroll', sampler, proposer=proposer,
+                                             tree=tree)
+  build = {
+      'vanilla': lambda: VanillaEngine(policy.config, sampler, policy.eos_ids),
+      'specroll': lambda: speculative(heads_proposer),
+      'oracle': lambda: speculative(OracleProposer(heads_proposer)),
+      'group': lambda: speculative(GroupProposer(group_drafts)),
+      'both': lambda: speculative(GroupProposer(group_drafts, base=heads_proposer))}
+  unknown = [n for n in names if n not in build]
+  if unknown:
+    raise ValueError(f'unknown engines {unknown} (choose from {", ".join(ENGINE_NAMES)})')
+  return {name: build[name]() for name in names}
 
 
 def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens):

@@ -1,10 +1,11 @@
 """Every shipped config loads and is consistent with what the trainer will build."""
 import pytest
 
-from configs import bench_w2, bench_w3, paper, tiny_math
+from configs import bench_w2, bench_w3, group_drafts, paper, tiny_math
 from configs.tiny_math import get_config
 from specroll_jax.rl.trainer import check_config, train
 from specroll_jax.tasks.data import load_dataset
+from experiments.workloads import ENGINE_NAMES
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
@@ -46,3 +47,27 @@ def test_bench_config_loads(module):
   c = module.get_config()
   assert c.num_prompts * c.samples_per_prompt in c.batch_sweep
   assert len(c.branching) <= c.heads.num_heads
+
+
+def test_proposers_are_checked_before_any_policy_is_loaded():
+  c = get_config()
+  assert c.rollout.proposers == 'heads,group'  # group drafts are on in the GRPO default
+  c.rollout.proposers = 'heads,suffix'
+  with pytest.raises(ValueError, match="subset of heads, group"):
+    check_config(c)
+  c = get_config()
+  c.rollout.proposers = 'group'  # no heads to adapt
+  with pytest.raises(ValueError, match="adapts the heads"):
+    check_config(c)
+  c.adaptation.mode = 'static'
+  check_config(c)
+  c.rollout.group.min_match = 0
+  with pytest.raises(ValueError, match='min_match must be >= 1'):
+    check_config(c)
+
+
+def test_group_drafts_config_names_known_engines():
+  c = group_drafts.get_config()
+  assert set(c.engines) <= set(ENGINE_NAMES)
+  for workload in c.workloads.values():
+    assert len(workload.branching) <= workload.heads.num_heads

@@ -4,10 +4,12 @@ Greedy: identical tokens, always. Sampling with the same seed: identical tokens;
 mismatch may only come from a float near-tie between differently shaped forwards, bounded
 at 0.1% of tokens (counting every token after a response's first divergence). Heads range from fresh to random to deliberately bad, and the oracle
 proposer (true future tokens) drives deep acceptances through EOS and length cut-offs.
-Every test runs twice: with the static head proposer, and with adaptation on (the Reflex
-proposer correcting the proposals inside the rollout, its gate forced open, on heads the
-slow path has just updated): adaptation may change what is proposed, never what is
-emitted. The oracle proposer wraps whichever of the two the test runs with.
+Every test runs twice: with the static head proposer, and with the GRPO default's drafting
+(group drafts, i.e. continuations from the prompt and the sibling samples, merged with
+adapted heads: the Reflex proposer correcting the proposals inside the rollout, its gate
+forced open, on heads the slow path has just updated). Drafts and adaptation may change
+what is proposed, never what is emitted. The oracle proposer wraps whichever the test runs
+with.
 """
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.engine import SpecEngine
 from specroll_jax.spec.gate import GateConfig
+from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
@@ -46,11 +49,15 @@ HEADS = HeadsConfig(num_heads=4)
 OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
 
 
-@pytest.fixture(params=['static', 'adaptive'], autouse=True)
-def adaptation(request):
-  """Module-wide switch read by _heads and _engine."""
+# Short matches and chains, so that these small runs find and verify group drafts often.
+GROUP = GroupDraftConfig(chains=2, chain_depth=4, min_match=1, max_match=8, matches=8)
+
+
+@pytest.fixture(params=['static', 'group_adaptive'], autouse=True)
+def proposer_kind(request):
+  """Module-wide switch read by _heads and _proposer."""
   global ADAPTIVE
-  ADAPTIVE = request.param == 'adaptive'
+  ADAPTIVE = request.param == 'group_adaptive'
   yield request.param
 
 
@@ -77,7 +84,7 @@ def _heads(policy, kind: str):
 def _proposer(policy, sampler, branching, oracle=False):
   proposer = HeadProposer(policy.config, HEADS, HeadDraftConfig(branching), sampler)
   if ADAPTIVE:
-    proposer = ReflexProposer(proposer, OPEN_REFLEX)
+    proposer = GroupProposer(GROUP, base=ReflexProposer(proposer, OPEN_REFLEX))
   return OracleProposer(proposer) if oracle else proposer
 
 
@@ -137,6 +144,8 @@ def test_greedy_identical_on_stories(stories_policy, heads_kind, capacity):
                             TreeConfig(capacity_tokens=capacity, max_nodes=16),
                             _encode(stories_policy), 3, 40, 8, (2,))
   _check(vanilla, spec, greedy=True)
+  if ADAPTIVE:  # the group drafts were verified and accepted, not only carried along
+    assert sum(float(r.stats.proposer.group.accepted) for r in spec) > 0
 
 
 def test_greedy_oracle_accepts_deep_paths_through_eos_and_length(stories_policy):

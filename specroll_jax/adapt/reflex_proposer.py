@@ -51,10 +51,11 @@ class ReflexProposer(Proposer):
   def num_candidates(self) -> int:
     return self.heads.num_candidates
 
-  def init(self, batch: int, max_steps: int) -> ReflexProposerState:
+  def init(self, prompt_tokens, seqs) -> ReflexProposerState:
     h = self.heads
+    batch, max_steps = seqs.tokens.shape
     return ReflexProposerState(
-        heads=h.init(batch, max_steps),
+        heads=h.init(prompt_tokens, seqs),
         reflex=ReflexState.init(batch, self.depth, h.model_config.hidden_size, h.draft.top_k,
                                 max_steps))
 

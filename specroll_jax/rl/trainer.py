@@ -34,8 +34,10 @@ from specroll_jax.rl.report import write_report
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import ENGINES, head_proposer, make_engine, tree_config
+from specroll_jax.spec.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
+                                       tree_config, with_group_drafts)
 from specroll_jax.spec.gate import GateConfig
+from specroll_jax.spec.group_proposer import GroupDraftConfig
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.pairs import response_spans
@@ -79,6 +81,10 @@ def check_config(c) -> None:
   build(ConsolidationConfig, c.adaptation.consolidation, 'adaptation.consolidation')
   grpo_config(c, c.adaptation.harvest_top_k)
   HeadDraftConfig(tuple(c.rollout.branching))
+  if 'heads' not in parse_proposers(c.rollout.proposers) and c.adaptation.mode != 'static':
+    raise ValueError(f'config adaptation.mode={c.adaptation.mode!r} adapts the heads, but '
+                     f'rollout.proposers={c.rollout.proposers!r} has none (use mode=static)')
+  build(GroupDraftConfig, c.rollout.group, 'rollout.group')
   build(GateConfig, c.rollout.gate, 'rollout.gate')
   sampler(c)
 
@@ -113,11 +119,15 @@ class Rollouts:
     self.unpriced = self.step_costs_path is not None
     self.proposer = tree = None
     if r.engine == 'specroll':
-      self.proposer = head_proposer(policy, heads_config, heads_dir, sampler(c),
-                                    HeadDraftConfig(tuple(r.branching)))
-      if c.adaptation.mode in ('reflex', 'both'):
-        self.proposer = ReflexProposer(
-            self.proposer, build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex'))
+      names = parse_proposers(r.proposers)
+      if 'heads' in names:
+        self.proposer = head_proposer(policy, heads_config, heads_dir, sampler(c),
+                                      HeadDraftConfig(tuple(r.branching)))
+        if c.adaptation.mode in ('reflex', 'both'):
+          self.proposer = ReflexProposer(
+              self.proposer, build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex'))
+      self.proposer = with_group_drafts(self.proposer, names,
+                                        build(GroupDraftConfig, r.group, 'rollout.group'))
       tree = tree_config(policy, max_nodes=r.max_nodes, capacity_tokens=r.capacity_tokens)
     self.engine = make_engine(policy, r.engine, sampler(c), proposer=self.proposer, tree=tree,
                               tree_attention=r.tree_attention)
@@ -290,13 +300,14 @@ def train(c, workdir) -> dict:
   # Encoded once: rollouts, the learner's width and warm-start data all use these ids.
   task_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in tasks]
   heads_dir = heads_config = adaptation = None
-  if c.rollout.engine == 'specroll':
+  uses_heads = c.rollout.engine == 'specroll' and 'heads' in parse_proposers(c.rollout.proposers)
+  if uses_heads:
     heads_config, heads, heads_dir = warm_start_heads(policy, c, task_prompts, workdir,
                                                       policy_dir)
   prompt_width = run_prompt_width(task_prompts)
   rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width,
                       workdir / STEP_COSTS_FILE)
-  if heads_dir is not None:
+  if uses_heads:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
   optimizer = grpo.make_optimizer(config)
@@ -367,7 +378,8 @@ def train(c, workdir) -> dict:
               'tau': summary['tau'], 'acceptance_by_depth': summary.get('acceptance_by_depth'),
               'tree_step_share': summary.get('tree_step_share'),
               'rollout_digest': rollout_digest(responses),
-              **{k: v for k, v in summary.items() if k.startswith('reflex_')}, **adapted,
+              **{k: v for k, v in summary.items() if k.startswith(('reflex_', 'group_'))},
+              **adapted,
               **{k: float(v) for k, v in update.items()},
               **{f'time_{k}': v for k, v in times.items()}}
       with metrics_path.open('a') as f:

@@ -138,7 +138,7 @@ class SpecEngine(Engine):
     # A row carries one response for its whole life, so proposer state starts fresh per response.
     state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
                       tree_stats=TreeStats.zeros(batch, self.proposer.depth),
-                      proposer=self.proposer.init(batch, seqs.tokens.shape[1]),
+                      proposer=self.proposer.init(prompt_tokens, seqs),
                       gate=gate.GateState.init(self.gate_config, batch))
     return constrain_rows(self.mesh, state)
 
@@ -186,7 +186,8 @@ class SpecEngine(Engine):
     with jax.named_scope('root_draw'):
       root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
                                               positions, self.sampler)
-    context = StepContext(state.last_hidden, seqs, Vocabulary(params.policy, self.model_config))
+    context = StepContext(state.last_hidden, root, seqs,
+                          Vocabulary(params.policy, self.model_config))
     with jax.named_scope('propose'):
       proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
     with jax.named_scope('build_tree'):

@@ -8,11 +8,33 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.capacity import load_or_measure
 from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, heads_metadata
 from specroll_jax.spec.tree import TreeConfig
 
 ENGINES = ('vanilla', 'specroll')
+# Drafting sources a speculative rollout can combine (rollout.proposers): the horizon heads
+# and continuations found in the GRPO group (spec/group_proposer.py).
+PROPOSERS = ('heads', 'group')
+
+
+def parse_proposers(names: str) -> tuple:
+  """'heads', 'group' or 'heads,group' -> a tuple of PROPOSERS names."""
+  chosen = tuple(n.strip() for n in names.split(',') if n.strip())
+  unknown = [n for n in chosen if n not in PROPOSERS]
+  if not chosen or unknown or len(set(chosen)) != len(chosen):
+    raise ValueError(f'proposers must be a comma-separated subset of {", ".join(PROPOSERS)}, '
+                     f'each once; got {names!r}')
+  return chosen
+
+
+def with_group_drafts(heads, names: tuple, group: GroupDraftConfig):
+  """The proposer for `names`: the heads (static or Reflex), group drafts merged with them,
+  or group drafts alone."""
+  if 'group' not in names:
+    return heads
+  return GroupProposer(group, base=heads if 'heads' in names else None)
 
 
 def tree_config(policy: Policy, *, max_nodes: int, capacity_tokens: int = 0,

@@ -130,9 +130,9 @@ class HeadProposer(Proposer):
   def num_candidates(self) -> int:
     return self.draft.table.size
 
-  def init(self, batch: int, max_steps: int) -> HeadStats:
-    del max_steps
-    return HeadStats.zeros(batch, self.depth, self.draft.top_k)
+  def init(self, prompt_tokens, seqs) -> HeadStats:
+    del prompt_tokens
+    return HeadStats.zeros(seqs.done.shape[0], self.depth, self.draft.top_k)
 
   def head_states(self, params, hidden, levels: int):
     """z [B, levels, D]: the first `levels` heads' hidden outputs (a tree of N slots never

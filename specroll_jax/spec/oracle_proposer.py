@@ -34,8 +34,8 @@ class OracleProposer(Proposer):
   def num_candidates(self) -> int:
     return self.depth + self.base.num_candidates
 
-  def init(self, batch: int, max_steps: int):
-    return self.base.init(batch, max_steps)
+  def init(self, prompt_tokens, seqs):
+    return self.base.init(prompt_tokens, seqs)
 
   def propose(self, params: OracleParams, state, context, levels: int) -> Proposal:
     inner = self.base.propose(params.base, state, context, levels)

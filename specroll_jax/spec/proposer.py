@@ -4,7 +4,7 @@ A proposer is a frozen dataclass (a static argument of the jitted step, like the
 with per-row state: a pytree the engine creates with the rows and carries through the
 rollout loop, so a row's state lives exactly as long as its response.
 
-  init(batch, max_steps)                       -> state
+  init(prompt_tokens, seqs)                    -> state
   propose(params, state, context, levels)      -> Proposal
   observe(params, state, context, proposal, feedback) -> state
   row_stats(state)                             -> typed per-row statistics (Response.stats)
@@ -72,6 +72,7 @@ class Vocabulary:
 class StepContext:
   """What a proposer may read at a step, per row."""
   hidden: jax.Array  # [B, D] policy hidden state at the last verified position
+  root: jax.Array    # int32 [B] this step's root draw: candidates at depth 1 follow it
   seqs: Sequences    # the rows' output so far (positions, response ids, done) before the step
   vocab: Vocabulary
 
@@ -113,8 +114,9 @@ class Proposer(abc.ABC):
     """C, the static number of candidates `propose` returns."""
 
   @abc.abstractmethod
-  def init(self, batch: int, max_steps: int):
-    """Fresh per-row state for `batch` rows of responses of up to `max_steps` steps."""
+  def init(self, prompt_tokens, seqs: Sequences):
+    """Fresh per-row state for the rows of `seqs` (responses of up to seqs.tokens.shape[1]
+    tokens), whose prompts are `prompt_tokens` (int32 [B, P], right-padded)."""
 
   @abc.abstractmethod
   def propose(self, params, state, context: StepContext, levels: int) -> Proposal:

@@ -71,7 +71,7 @@ class Tree:
     return mask
 
 
-def _static_paths(parent: tuple):
+def static_paths(parent: tuple):
   """(ancestors [C, D] from depth 1 down to the candidate itself, -1 padded; depth [C])."""
   chains = []
   for c in range(len(parent)):
@@ -90,7 +90,7 @@ def _order_keys(candidates: Candidates):
   strictly below its parent, because its log-score is its parent's plus a term <= 0.
   Terms are added from depth 1 down, so equal edges give bit-equal path scores."""
   edge = jnp.log(jnp.clip(candidates.scores, 1e-30, 1.0))
-  ancestors, depth = _static_paths(candidates.parent)
+  ancestors, depth = static_paths(candidates.parent)
   total = jnp.zeros_like(edge)
   for d in range(ancestors.shape[1]):
     column = ancestors[:, d]
