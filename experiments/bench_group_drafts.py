@@ -21,7 +21,7 @@ from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from specroll_jax.tasks.default_policy import ensure_default_policy
-from experiments.bench_rollout import compare
+from experiments.side_by_side import compare
 from experiments.workloads import benchmark_prompts, warm_started_heads
 
 matplotlib.use('Agg')
@@ -76,6 +76,10 @@ def main(argv):
   for key, workload in c.workloads.items():
     print(f'== {key}', file=sys.stderr)
     workloads[key], prices[key], prompts[key] = run_workload(workload, names)
+    for name in names[1:]:
+      f, g = workloads[key]['fixed_budget'][name], workloads[key]['gated'][name]
+      print(f"{key} {name}: tau {f['tau']:.3f}, fixed-budget speedup {f['speedup']:.2f}x, "
+            f"gated speedup {g['speedup']:.2f}x", file=sys.stderr)
   identical = [r[name]['identical_responses'] for runs in workloads.values()
                for r in runs.values() for name in names if name != 'vanilla']
   responses = [c.workloads[key].samples_per_prompt * prompts[key]

@@ -77,16 +77,16 @@ def workload_engines(policy, heads_config, c, tree, sampler,
                   if {'group', 'both'} & set(names) else None)
   speculative = lambda proposer: make_engine(policy, 'specroll', sampler, proposer=proposer,
                                              tree=tree)
-  build = {
+  makers = {
       'vanilla': lambda: VanillaEngine(policy.config, sampler, policy.eos_ids),
       'specroll': lambda: speculative(heads_proposer),
       'oracle': lambda: speculative(OracleProposer(heads_proposer)),
       'group': lambda: speculative(GroupProposer(group_drafts)),
       'both': lambda: speculative(GroupProposer(group_drafts, base=heads_proposer))}
-  unknown = [n for n in names if n not in build]
+  unknown = [n for n in names if n not in makers]
   if unknown:
     raise ValueError(f'unknown engines {unknown} (choose from {", ".join(ENGINE_NAMES)})')
-  return {name: build[name]() for name in names}
+  return {name: makers[name]() for name in names}
 
 
 def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens):

@@ -121,10 +121,20 @@ def test_a_sibling_in_padding_rows_with_the_same_id_is_read_from_its_real_row():
   np.testing.assert_array_equal(buffer.sibling_tokens[0, 0], [1, 2])
 
 
-@pytest.mark.parametrize('seed', range(4))
-def test_merged_tree_is_the_best_prefix_closed_tree_of_both_sources(seed):
+def _best_path(tokens, scores, parent, c):
+  """Brute force: the best sum of path scores along any path down from candidate c."""
+  ancestors, depth = static_paths(parent)
+  path = lambda k: float(np.prod(scores[ancestors[k, :depth[k]]]))
+  below = [k for k in range(len(parent)) if c in ancestors[k, :depth[k]]]
+  leaves = [k for k in below if not any(parent[j] == k for j in range(len(parent)))]
+  return max(sum(path(a) for a in ancestors[leaf, :depth[leaf]] if depth[a] >= depth[c])
+             for leaf in leaves)
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_merged_tree_keeps_the_more_valuable_duplicate_and_is_optimal(seed):
   rng = np.random.default_rng(seed)
-  # Tokens from a small vocabulary so that the sources often propose the same paths.
+  # Tokens from a small vocabulary so that the sources often start with the same token.
   chain_tokens = rng.integers(1, 4, size=(2, 3)).astype(np.int32)
   chain_tokens[1, 0] = 1 + chain_tokens[0, 0] % 3  # distinct first tokens
   chain_scores = rng.uniform(0.05, 1.0, size=(2, 3)).astype(np.float32)
@@ -132,35 +142,40 @@ def test_merged_tree_is_the_best_prefix_closed_tree_of_both_sources(seed):
   parent = (-1, -1, 0, 0, 1, 1)
   # Siblings in the base are distinct, as a head's ranks are.
   base_tokens = np.concatenate([rng.permutation(3)[:2] + 1 for _ in range(3)])
+  base_scores = rng.uniform(0.05, 1.0, size=6).astype(np.float32)
   base = Candidates(tokens=jnp.asarray(base_tokens[None], jnp.int32),
-                    scores=jnp.asarray(rng.uniform(0.05, 1.0, size=(1, 6)), jnp.float32),
-                    parent=parent)
+                    scores=jnp.asarray(base_scores[None]), parent=parent)
   merged_chain, merged_base = merge(jnp.asarray(chain_tokens)[None],
                                     jnp.asarray(chain_scores)[None], base)
   merged_chain, merged_base = np.asarray(merged_chain[0]), np.asarray(merged_base[0])
-  # A base path equal to a chain's is zeroed and gives the chain node the higher edge score.
-  for cb in range(6):
-    ancestors, depth = static_paths(parent)
-    path = tuple(np.asarray(base.tokens[0])[ancestors[cb, :depth[cb]]])
-    is_chain = any(tuple(chain_tokens[c, :len(path)]) == path and chain_scores[c, len(path) - 1] > 0
-                   for c in range(2) if len(path) <= 3)
-    assert (merged_base[cb] == 0) == is_chain
-    if is_chain:
-      c = next(c for c in range(2) if tuple(chain_tokens[c, :len(path)]) == path)
-      assert merged_chain[c, len(path) - 1] >= np.asarray(base.scores[0])[cb]
+  np.testing.assert_array_equal(merged_chain[:, 1:], chain_scores[:, 1:])
+  np.testing.assert_array_equal(merged_base[2:], base_scores[2:])
+  for c in range(2):
+    if chain_tokens[c, 0] not in base_tokens[:2]:
+      assert merged_chain[c, 0] == chain_scores[c, 0]  # no conflict, nothing changes
+    for root in (0, 1):
+      if chain_tokens[c, 0] != base_tokens[root]:
+        continue
+      chain_value = float(np.sum(np.cumprod(chain_scores[c])))
+      base_value = _best_path(base_tokens, base_scores, parent, root)
+      if chain_value > base_value:
+        assert merged_base[root] == 0 and merged_chain[c, 0] == chain_scores[c, 0]
+      else:
+        assert merged_chain[c, 0] == 0 and merged_base[root] == base_scores[root]
   candidates = Candidates(tokens=jnp.asarray(chain_tokens.reshape(1, -1)),
                           scores=jnp.asarray(merged_chain.reshape(1, -1)),
                           parent=(-1, 0, 1, -1, 3, 4)).concat(
                               base.replace(scores=jnp.asarray(merged_base)[None]))
-  # Brute force over the distinct token paths with positive scores.
+  # The tree builder's choice against brute force over the merged candidates' live paths.
   ancestors, depth = static_paths(candidates.parent)
   tokens, scores = np.asarray(candidates.tokens[0]), np.asarray(candidates.scores[0])
   value = {}
   for c in range(candidates.size):
     chain = ancestors[c, :depth[c]]
     if np.all(scores[chain] > 0):
-      value[tuple(tokens[chain])] = max(value.get(tuple(tokens[chain]), 0.0),
-                                        float(np.prod(scores[chain])))
+      path = tuple(tokens[chain])
+      assert path not in value, f'token path {path} offered twice'
+      value[path] = float(np.prod(scores[chain]))
   paths = list(value)
   for budget in (2, 4, 6):
     best = 0.0
@@ -171,7 +186,6 @@ def test_merged_tree_is_the_best_prefix_closed_tree_of_both_sources(seed):
     tree = build_tree(jnp.array([9]), candidates, jnp.array([budget]), 8, max_depth=3)
     chosen = np.asarray(tree.candidate[0, 1:budget])
     picked = [tuple(tokens[ancestors[c, :depth[c]]]) for c in chosen if scores[c] > 0]
-    assert len(set(picked)) == len(picked), 'a token path was verified twice'
     got = sum(value.get(p, 0.0) for p in picked)
     np.testing.assert_allclose(got, best, rtol=1e-5)
 

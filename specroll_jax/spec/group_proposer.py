@@ -17,9 +17,8 @@ reached a chain node whether or not the node was in the tree, and shrunk toward
 `prior_acceptance`. A source that stops paying stops getting nodes.
 
 The group drafts are merged with a base proposer's candidates (the horizon heads) into one
-candidate set, chains first. Where a base candidate's path equals a chain's, the chain
-node keeps the higher of the two scores and the base candidate gets 0, so no node is
-verified twice; the base's children of such a candidate are not offered (static parents).
+candidate set, chains first; where both start with the same token, the one with the more
+valuable best path keeps it (`merge`), so no token path is verified twice.
 
 Siblings are the rows of the same batch whose prompts are identical, found when the batch
 starts. Each row keeps its own copy of their tokens (`GroupBuffer`), refreshed from the
@@ -229,25 +228,49 @@ def match_chains(config: GroupDraftConfig, corpus, tail):
   return jnp.stack(tokens, axis=1).astype(jnp.int32), jnp.stack(scores, axis=1)
 
 
-def merge(chain_tokens, chain_scores, base: Candidates):
-  """(chain scores, base scores) with each path verified once: a base candidate whose path
-  is a chain's gives its score to the chain node if higher, and gets 0."""
+def best_path_value(base: Candidates) -> jax.Array:
+  """float32 [B, C]: the expected accepted tokens along the best path from each candidate
+  down (its path score plus its best child's value, recursively)."""
   ancestors, depth = static_paths(base.parent)
-  paths = jnp.where(ancestors[None] >= 0, base.tokens[:, np.maximum(ancestors, 0)], -3)
-  chain_depth = chain_tokens.shape[-1]
-  levels = min(chain_depth, ancestors.shape[1])
-  reachable = depth <= chain_depth  # [Cb] static
-  needed = np.arange(levels)[None, :] < depth[:, None]  # [Cb, levels]
-  same = jnp.all((paths[:, None, :, :levels] == chain_tokens[:, :, None, :levels])
-                 | ~needed[None, None], axis=-1)  # [B, K, Cb]
-  node = np.clip(depth - 1, 0, chain_depth - 1)
-  live = chain_scores[:, :, node] > 0  # [B, K, Cb]
-  duplicate = same & live & reachable[None, None, :]
-  at_depth = jnp.asarray(node[:, None] == np.arange(chain_depth)[None, :])  # [Cb, D]
-  given = jnp.max(jnp.where(duplicate[..., None] & at_depth[None, None],
-                            base.scores[:, None, :, None], 0.0), axis=2)  # [B, K, D]
-  return (jnp.maximum(chain_scores, given),
-          jnp.where(jnp.any(duplicate, axis=1), 0.0, base.scores))
+  edge = jnp.clip(base.scores, 0.0, 1.0)
+  path = jnp.ones_like(edge)
+  for d in range(ancestors.shape[1]):
+    column = ancestors[:, d]
+    path = path * jnp.where(column >= 0, edge[:, np.maximum(column, 0)], 1.0)
+  children = [[] for _ in base.parent]
+  for c, p in enumerate(base.parent):
+    if p >= 0:
+      children[p].append(c)
+  widest = max(1, max(len(kids) for kids in children))
+  child_index = np.array([kids + [-1] * (widest - len(kids)) for kids in children], np.int32)
+  best = path
+  for d in range(int(depth.max(initial=1)) - 1, 0, -1):  # deepest parents first
+    below = jnp.where(child_index[None] >= 0, best[:, np.maximum(child_index, 0)], 0.0)
+    best = jnp.where(jnp.asarray(depth == d)[None, :], path + jnp.max(below, axis=-1), best)
+  return best
+
+
+def merge(chain_tokens, chain_scores, base: Candidates):
+  """(chain scores, base scores) with no token path offered twice.
+
+  Two sources propose the same path only if they agree on its first token, so duplicates
+  are settled at depth 1: where a chain starts with the token of a depth-1 base candidate,
+  the one whose best path below is worth more (expected accepted tokens) keeps its root and
+  the other gets score 0 there, which takes its whole subtree out of the tree. (With static
+  parents one source's nodes cannot hang below the other's.)
+  """
+  roots = np.flatnonzero(np.asarray(base.parent) < 0)  # depth-1 base candidates
+  chain_path = jnp.cumprod(jnp.clip(chain_scores, 0.0, 1.0), axis=-1)
+  chain_value = jnp.sum(chain_path, axis=-1)  # [B, K]
+  base_value = best_path_value(base)[:, roots]  # [B, R]
+  same = ((chain_tokens[:, :, None, 0] == base.tokens[:, None, roots])
+          & (chain_scores[:, :, None, 0] > 0) & (base.scores[:, None, roots] > 0))  # [B, K, R]
+  chain_wins = chain_value[:, :, None] > base_value[:, None, :]
+  chain_loses = jnp.any(same & ~chain_wins, axis=2)  # [B, K]
+  base_loses = jnp.any(same & chain_wins, axis=1)    # [B, R]
+  chain_scores = chain_scores.at[:, :, 0].set(jnp.where(chain_loses, 0.0, chain_scores[:, :, 0]))
+  base_scores = base.scores.at[:, roots].set(jnp.where(base_loses, 0.0, base.scores[:, roots]))
+  return chain_scores, base_scores
 
 
 @dataclasses.dataclass(frozen=True)
