@@ -19,6 +19,9 @@ def get_config():
   c.rollout.capacity_tokens = 512
   # Every step verifies a tree, so each variant's heads are measured at every step.
   c.rollout.speculation_gate = False
+  # The heads alone, as its committed results were measured; group drafts on W1 are
+  # measured in results/group_drafts (and with --config.rollout.proposers=heads,group).
+  c.rollout.proposers = 'heads'
   c.grpo.learning_rate = 3e-4
   c.metrics.drift_kl = True
   c.variants = ('static', 'online', 'reflex', 'slow', 'both')

@@ -10,6 +10,9 @@ def get_config():
   c.steps = 20
   c.checkpoint_every = 20
   c.engines = ('vanilla', 'specroll')
+  # The heads alone, as its committed results were measured; group drafts on W1 are
+  # measured in results/group_drafts (and with --config.rollout.proposers=heads,group).
+  c.rollout.proposers = 'heads'
   c.out_dir = 'results/bench_e2e_w1'
   c.workdir = 'workdir/bench_e2e_w1'
   return c

@@ -58,5 +58,7 @@ def get_config():
     workload.group = section(GroupDraftConfig)
     workload.speculation_gate = False  # set per run by the benchmark
   c.engines = ('vanilla', 'specroll', 'group', 'both')
+  c.run = ('w1', 'w3')  # the workloads measured now; results.json gathers every one measured
+  c.modes = ('fixed_budget', 'gated')
   c.out_dir = 'results/group_drafts'
   return c

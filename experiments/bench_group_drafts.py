@@ -42,7 +42,7 @@ def accepted_per_tree_step(result: dict) -> float:
   return float(np.sum(result['accepted_by_depth'])) / max(tree_steps, 1.0)
 
 
-def run_workload(c, names):
+def run_workload(c, names, modes):
   if not c.checkpoint:
     c.checkpoint = str(ensure_default_policy(c.policy_cache_dir))
   policy = load_policy(c.checkpoint, c.dtype)
@@ -53,8 +53,8 @@ def run_workload(c, names):
   sampler = SamplerConfig(temperature=c.temperature)
   runs = {}
   prices = {}
-  for mode, gate in (('fixed_budget', False), ('gated', True)):
-    c.speculation_gate = gate
+  for mode in modes:
+    c.speculation_gate = mode == 'gated'
     jax.clear_caches()  # each compare compiles its own engines (memory maps, see bench_rollout)
     result = compare(policy, heads_config, heads, prompts, c.samples_per_prompt, c, tree,
                      sampler, prices, names)
@@ -62,7 +62,7 @@ def run_workload(c, names):
       if name in result:
         result[name]['accepted_per_tree_step'] = accepted_per_tree_step(result[name])
     runs[mode] = result
-  return runs, prices, len(prompts)
+  return {'runs': runs, 'prices': prices, 'responses': len(prompts) * c.samples_per_prompt}
 
 
 def main(argv):
@@ -72,48 +72,56 @@ def main(argv):
   if names[0] != 'vanilla' or 'specroll' not in names or 'both' not in names:
     raise ValueError(f'config engines must start with vanilla and include specroll and both, '
                      f'got {names}')
-  workloads, prices, prompts = {}, {}, {}
-  for key, workload in c.workloads.items():
+  out = Path(c.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  command = ' '.join(['python -m experiments.bench_group_drafts'] + sys.argv[1:])
+  # One file per workload, written as soon as it is measured: a later workload that fails
+  # (or a run of only some workloads, c.run) leaves the others' results in place.
+  for key in c.run:
     print(f'== {key}', file=sys.stderr)
-    workloads[key], prices[key], prompts[key] = run_workload(workload, names)
-    for name in names[1:]:
-      f, g = workloads[key]['fixed_budget'][name], workloads[key]['gated'][name]
-      print(f"{key} {name}: tau {f['tau']:.3f}, fixed-budget speedup {f['speedup']:.2f}x, "
-            f"gated speedup {g['speedup']:.2f}x", file=sys.stderr)
+    measured = run_workload(c.workloads[key], names, tuple(c.modes))
+    measured.update(command=command, config=c.workloads[key].to_dict())
+    (out / f'{key}.json').write_text(json.dumps(measured, indent=2, default=float) + '\n')
+    for mode, r in measured['runs'].items():
+      for name in names[1:]:
+        print(f"{key} {mode} {name}: tau {r[name]['tau']:.3f}, speedup {r[name]['speedup']:.2f}x",
+              file=sys.stderr)
+  measured = {key: json.loads((out / f'{key}.json').read_text()) for key in c.workloads
+              if (out / f'{key}.json').exists()}
+  workloads = {key: m['runs'] for key, m in measured.items()}
   identical = [r[name]['identical_responses'] for runs in workloads.values()
                for r in runs.values() for name in names if name != 'vanilla']
-  responses = [c.workloads[key].samples_per_prompt * prompts[key]
-               for key, runs in workloads.items() for r in runs.values()
-               for name in names if name != 'vanilla']
-  fixed = lambda key, name, field: workloads[key]['fixed_budget'][name][field]
-  gated = lambda key, name: workloads[key]['gated'][name]['speedup']
+  responses = [measured[key]['responses'] for key, runs in workloads.items()
+               for r in runs.values() for name in names if name != 'vanilla']
+  value = lambda key, mode, name, field: (workloads[key][mode][name][field]
+                                          if mode in workloads.get(key, {}) else None)
   result = {
-      'command': ' '.join(['python -m experiments.bench_group_drafts'] + sys.argv[1:]),
+      'commands': {key: m['command'] for key, m in measured.items()},
       'backend': jax.default_backend(),
-      'w1_tau_heads': fixed('w1', 'specroll', 'tau'),
-      'w1_tau_both': fixed('w1', 'both', 'tau'),
-      'w3_tau_heads': fixed('w3', 'specroll', 'tau'),
-      'w3_tau_both': fixed('w3', 'both', 'tau'),
-      'w3_speedup_both': gated('w3', 'both'),
-      'w1_speedup_both': gated('w1', 'both'),
-      'identical_fraction': sum(identical) / sum(responses),
+      'w1_tau_heads': value('w1', 'fixed_budget', 'specroll', 'tau'),
+      'w1_tau_both': value('w1', 'fixed_budget', 'both', 'tau'),
+      'w3_tau_heads': value('w3', 'fixed_budget', 'specroll', 'tau'),
+      'w3_tau_both': value('w3', 'fixed_budget', 'both', 'tau'),
+      'w3_speedup_both': value('w3', 'gated', 'both', 'speedup'),
+      'w1_speedup_both': value('w1', 'gated', 'both', 'speedup'),
+      'identical_fraction': sum(identical) / max(sum(responses), 1),
       'workloads': {key: {mode: {name: {k: r[name][k] for k in KEPT if k in r[name]}
                                  for name in names}
                           for mode, r in runs.items()}
                     for key, runs in workloads.items()},
-      'tree_step_costs': prices,
-      'config': c.to_dict(),
+      'tree_step_costs': {key: m['prices'] for key, m in measured.items()},
   }
-  out = Path(c.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
   lines = ['| workload | engine | tau (fixed budget) | speedup (fixed budget) | speedup (gated) | '
            'gated tree steps | accepted / tree step | on chains / tree step | chain acceptance '
            '| match rate | identical responses |',
            '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+  missing = {'tau': float('nan'), 'speedup': float('nan'), 'tree_step_share': float('nan'),
+             'accepted_per_tree_step': float('nan'), 'identical_responses': '-'}
   for key, runs in workloads.items():
     for name in names[1:]:
-      f, g = runs['fixed_budget'][name], runs['gated'][name]
+      f = runs.get('fixed_budget', {}).get(name, missing)
+      g = runs.get('gated', {}).get(name, missing)
       chains = lambda field: f"{f[field]:.3f}" if field in f else '-'
       lines.append(f"| {key} | {name} | {f['tau']:.2f} | {f['speedup']:.2f}x | "
                    f"{g['speedup']:.2f}x | {g['tree_step_share']:.2f} | "
@@ -121,15 +129,16 @@ def main(argv):
                    f"{chains('group_acceptance')} | {chains('group_match_rate')} | "
                    f"{f['identical_responses']}+{g['identical_responses']} |")
   (out / 'README.md').write_text(
-      f"# Group drafts (W1, W3)\n\nCommand: `{result['command']}` (backend "
+      f"# Group drafts (W1, W3)\n\nCommands: {result['commands']} (backend "
       f"{jax.default_backend()}). 'specroll' is the heads alone. Identical responses: fixed-"
       "budget + gated runs.\n\n" + '\n'.join(lines) + '\n\n![tau and speedup](tau_speedup.png)\n')
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   width = 0.8 / len(workloads)
   for i, (key, runs) in enumerate(workloads.items()):
     x = np.arange(len(names) - 1) + i * width
-    axes[0].bar(x, [runs['fixed_budget'][n]['tau'] for n in names[1:]], width, label=key)
-    axes[1].bar(x, [runs['gated'][n]['speedup'] for n in names[1:]], width, label=key)
+    for ax, mode, field in ((axes[0], 'fixed_budget', 'tau'), (axes[1], 'gated', 'speedup')):
+      if mode in runs:
+        ax.bar(x, [runs[mode][n][field] for n in names[1:]], width, label=key)
   for ax, label in zip(axes, ('tau at a fixed budget', 'gated speedup over vanilla')):
     ax.set_xticks(np.arange(len(names) - 1) + width * (len(workloads) - 1) / 2, names[1:])
     ax.set_ylabel(label)
