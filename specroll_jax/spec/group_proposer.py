@@ -204,9 +204,9 @@ def match_chains(config: GroupDraftConfig, corpus, tail):
   agree = jnp.cumprod((follow[:, :, None, :] == follow[:, None, :, :])
                       & has[:, :, None, :] & has[:, None, :, :], axis=-1)  # [B, M, M, D]
   support = jnp.sum(agree, axis=2).astype(jnp.float32)  # occurrences sharing m's prefix to d
+  occurrences = jnp.sum(occurs, axis=1).astype(jnp.float32)  # the support of depth 0's parent
   parent_support = jnp.concatenate(
-      [jnp.sum(occurs, axis=1, keepdims=True)[:, :, None].astype(jnp.float32)
-       * jnp.ones((1, m, 1)), support[:, :, :-1]], axis=2)
+      [jnp.broadcast_to(occurrences[:, None, None], (batch, m, 1)), support[:, :, :-1]], axis=2)
   frequency = jnp.where(has, support / jnp.maximum(parent_support, 1.0), 0.0)
   # Most supported first token, then second, third; then the most recent occurrence.
   count = support.astype(jnp.int32)
@@ -352,7 +352,7 @@ class GroupProposer(Proposer):
     if self.base:
       inner = Proposal(candidates=None, record=record.base)
       base = self.base.observe(params, state.base, context, inner,
-                               _first_levels(feedback, self.base.depth))
+                               feedback.first_levels(self.base.depth))
     return GroupState(base=base, buffer=record.buffer, stats=stats)
 
   def row_stats(self, state: GroupState) -> GroupRowStats:
@@ -379,11 +379,3 @@ class GroupProposer(Proposer):
       out.update(self.base.summarize([s.base for s in stats], steps))
     return out
 
-
-def _first_levels(feedback: Feedback, depth: int) -> Feedback:
-  """The feedback of the first `depth` levels (what a shallower base proposer reads)."""
-  return Feedback(drawn=feedback.drawn[:, :depth], drew=feedback.drew[:, :depth],
-                  accepted=jnp.minimum(feedback.accepted, depth),
-                  target_ids=feedback.target_ids[:, :depth],
-                  target_probs=feedback.target_probs[:, :depth],
-                  levels=min(feedback.levels, depth))

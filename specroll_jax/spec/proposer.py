@@ -93,6 +93,15 @@ class Feedback:
   target_probs: jax.Array  # float32 [B, H, M] their probabilities under the sampler
   levels: int = struct.field(pytree_node=False)  # depths this step's tree could reach
 
+  def first_levels(self, depth: int) -> 'Feedback':
+    """The feedback of the first `depth` levels (what a shallower proposer inside a deeper
+    one reads)."""
+    return Feedback(drawn=self.drawn[:, :depth], drew=self.drew[:, :depth],
+                    accepted=jnp.minimum(self.accepted, depth),
+                    target_ids=self.target_ids[:, :depth],
+                    target_probs=self.target_probs[:, :depth],
+                    levels=min(self.levels, depth))
+
   @property
   def in_tree(self) -> jax.Array:
     """bool [B, H]: drew at a depth the tree had candidates for (the walk may draw one
