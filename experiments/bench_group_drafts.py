@@ -65,6 +65,25 @@ def run_workload(c, names, modes):
   return {'runs': runs, 'prices': prices, 'responses': len(prompts) * c.samples_per_prompt}
 
 
+def merged_with_earlier(earlier: dict, measured: dict, path: Path) -> dict:
+  """The modes measured now, added to those an earlier run of the same workload measured.
+
+  A mode takes a workload's whole time budget, so fixed-budget and gated runs may come from
+  separate processes; they are only combined when the workload config is the same but for
+  the gate the mode sets (the engines' compiled shapes and inputs then are too).
+  """
+  config = json.loads(json.dumps(measured['config'], default=float))
+  changed = sorted(k for k in set(config) | set(earlier['config'])
+                   if k != 'speculation_gate' and config.get(k) != earlier['config'].get(k))
+  if changed:
+    raise ValueError(f'{path} was measured with another workload config (fields {changed}); '
+                     f'move it away to measure this one')
+  kept = {mode: run for mode, run in earlier['runs'].items() if mode not in measured['runs']}
+  return dict(measured, runs={**kept, **measured['runs']},
+              commands={**earlier['commands'], **measured['commands']},
+              prices={**earlier['prices'], **measured['prices']})
+
+
 def main(argv):
   del argv
   c = _CONFIG.value
@@ -80,8 +99,12 @@ def main(argv):
   for key in c.run:
     print(f'== {key}', file=sys.stderr)
     measured = run_workload(c.workloads[key], names, tuple(c.modes))
-    measured.update(command=command, config=c.workloads[key].to_dict())
-    (out / f'{key}.json').write_text(json.dumps(measured, indent=2, default=float) + '\n')
+    measured.update(commands={mode: command for mode in measured['runs']},
+                    config=c.workloads[key].to_dict())
+    path = out / f'{key}.json'
+    if path.exists():
+      measured = merged_with_earlier(json.loads(path.read_text()), measured, path)
+    path.write_text(json.dumps(measured, indent=2, default=float) + '\n')
     for mode, r in measured['runs'].items():
       for name in names[1:]:
         print(f"{key} {mode} {name}: tau {r[name]['tau']:.3f}, speedup {r[name]['speedup']:.2f}x",
@@ -96,7 +119,7 @@ def main(argv):
   value = lambda key, mode, name, field: (workloads[key][mode][name][field]
                                           if mode in workloads.get(key, {}) else None)
   result = {
-      'commands': {key: m['command'] for key, m in measured.items()},
+      'commands': {key: m['commands'] for key, m in measured.items()},
       'backend': jax.default_backend(),
       'w1_tau_heads': value('w1', 'fixed_budget', 'specroll', 'tau'),
       'w1_tau_both': value('w1', 'fixed_budget', 'both', 'tau'),
