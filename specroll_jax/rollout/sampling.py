@@ -1,20 +1,34 @@
 """The sampler and the randomness contract shared by every rollout engine.
 
 Randomness contract: the token at absolute sequence position `pos` (0-based, counting the
-prompt) of response `r` is drawn with
+prompt) of response `r` is drawn by two-level Gumbel-max over w = transform(logits), padded
+with -inf to nb blocks of b = block_size(V) consecutive ids:
 
     key = fold_in(fold_in(PRNGKey(seed), r), pos)
-    u = uniform(key)                                   # one number per draw
-    token = first v with cdf(v) > u * cdf(V - 1)      # cdf of softmax(transform(logits))
+    j = argmax_k (logsumexp(w[block k]) + gumbel(fold_in(key, 0), (nb,))[k])
+    i = argmax_i (w[block j][i] + gumbel(fold_in(fold_in(key, 1), j), (b,))[i])
+    token = j * b + i
 
-so a draw depends only on (seed, response index, position) and the policy's logits there,
-never on batch layout, step count or how many tokens an engine emits per step. Inverse-CDF
-sampling needs one random number per draw (Gumbel-max would need V), which keeps the
-per-step sampling cost small next to a small policy's forward. The
-speculative engine reproduces vanilla's draws by evaluating the same key at each tree node.
-Greedy decoding (temperature 0) is argmax of the raw logits.
+Gumbel-max picks block k with probability softmax(block log-masses)_k and then token i with
+probability softmax(w[block j])_i, so the token has probability softmax(w)_token exactly. A
+draw depends only on (seed, response index, position) and the policy's logits there, never
+on batch layout, step count or how many tokens an engine emits per step. The speculative
+engine reproduces vanilla's draws by evaluating the same key at each tree node. Greedy
+decoding (temperature 0) is argmax of the raw logits.
+
+Why this and not inverse-CDF (one uniform against the cumulative softmax, the contract
+until 2026-12-02): differently shaped forwards (a tree of nodes, one token per row) give
+logits that differ in the last float bits, ~1e-5. Inverse-CDF picks by where u falls among V
+cumulative boundaries, and a 49k vocabulary's long tail puts boundaries 1e-7 apart, so such
+shifts moved 2 of 16 SmolLM2 responses (256 tokens, T = 1) to a neighbouring id. Gumbel-max
+moves a pick only when the best two perturbed scores are within the logit error, and their
+gap is of order one. Two levels, because one Gumbel number per vocabulary entry cost 21 ms
+per draw of 16 rows x 49k on the 2-core CPU (15% of a SmolLM2 decode step); nb + b ~ 2 sqrt(V)
+numbers cost 0.8 ms, less than inverse-CDF's cumulative sum (5.4 ms). Flip rates and costs:
+WORKSPACE_NOTES, "Sampling near-ties".
 """
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,30 +77,52 @@ def transform_logits(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
   return x
 
 
+def log_weights(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
+  """What a draw maximises before noise: the transformed logits, or the raw ones when
+  greedy; removed tokens are -inf."""
+  if sampler.greedy:
+    return logits.astype(jnp.float32)
+  return transform_logits(logits, sampler)
+
+
 def distribution(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
   """The sampler's distribution S(logits) (raw softmax when greedy): what proposals and
   verifier feedback compare."""
-  if sampler.greedy:
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  return jax.nn.softmax(transform_logits(logits, sampler), axis=-1)
+  return jax.nn.softmax(log_weights(logits, sampler), axis=-1)
 
 
-def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig, probs=None) -> jax.Array:
+def block_size(vocab_size: int) -> int:
+  """b, the power of two nearest sqrt(V): the two levels then draw about as many numbers."""
+  return 2 ** max(0, round(math.log2(math.sqrt(vocab_size))))
+
+
+def two_level_gumbel_max(weights: jax.Array, key: jax.Array) -> jax.Array:
+  """One draw from softmax(weights [V]) under the contract."""
+  b = block_size(weights.shape[-1])
+  blocks = -(-weights.shape[-1] // b)
+  w = jnp.pad(weights, (0, blocks * b - weights.shape[-1]),
+              constant_values=-jnp.inf).reshape(blocks, b)
+  block_noise = jax.random.gumbel(jax.random.fold_in(key, 0), (blocks,), jnp.float32)
+  j = jnp.argmax(jax.nn.logsumexp(w, axis=-1) + block_noise)
+  token_noise = jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, 1), j), (b,),
+                                  jnp.float32)
+  return (j * b + jnp.argmax(w[j] + token_noise)).astype(jnp.int32)
+
+
+def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig,
+         weights: jax.Array | None = None) -> jax.Array:
   """Draws one token per leading index: logits [..., V], keys [...] -> int32 [...].
 
-  probs: `distribution(logits, sampler)` when the caller has already computed it (the
-  verifier also keeps its top-M), so the transform (a sort under top-p) runs once.
+  weights: `log_weights(logits, sampler)` when the caller has already computed it (the
+  verifier also keeps the distribution's top-M), so the transform (a sort under top-p)
+  runs once.
   """
+  if weights is None:
+    weights = log_weights(logits, sampler)
   if sampler.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1))
-  if probs is None:
-    probs = distribution(logits, sampler)
-  cdf = jnp.cumsum(probs, axis=-1)
-  threshold = uniform.reshape(keys.shape)[..., None] * cdf[..., -1:]
-  # The first token whose cdf passes the threshold has positive mass by construction.
-  token = jnp.sum(cdf <= threshold, axis=-1)
-  return jnp.minimum(token, logits.shape[-1] - 1).astype(jnp.int32)
+    return jnp.argmax(weights, axis=-1).astype(jnp.int32)
+  flat = weights.reshape(-1, weights.shape[-1])
+  return jax.vmap(two_level_gumbel_max)(flat, keys.reshape(-1)).reshape(keys.shape)
 
 
 def token_logprob(logits: jax.Array, tokens: jax.Array, sampler: SamplerConfig) -> jax.Array:

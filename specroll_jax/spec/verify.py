@@ -114,8 +114,9 @@ def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
   def descend(state: WalkState) -> WalkState:
     logits = project(hidden[rows, state.current])
     keys = sampling.token_keys(seed_key, response_ids, root_positions + state.depth)
-    probs = sampling.distribution(logits, sampler)
-    draw = sampling.draw(logits, keys, sampler, probs)
+    weights = sampling.log_weights(logits, sampler)
+    probs = jax.nn.softmax(weights, axis=-1)
+    draw = sampling.draw(logits, keys, sampler, weights)
     is_child = (tree.valid & (tree.parents == state.current[:, None])
                 & (tree.depths == state.depth) & (tree.tokens == draw[:, None]))
     child = jnp.where(is_child.any(axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)
