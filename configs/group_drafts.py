@@ -19,7 +19,7 @@ from specroll_jax.spec.group_proposer import GroupDraftConfig
 
 def w1_config():
   c = ml_collections.ConfigDict()
-  c.checkpoint = ''  # '' = the W1 default policy in policy_cache_dir (built if missing)
+  c.checkpoint = ''  # '' = the committed W1 policy
   c.policy_cache_dir = 'workdir/policies'
   c.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.prompts = 'synthetic:hard'

@@ -2,8 +2,8 @@
 
   python -m experiments.train_grpo --config=configs/tiny_math.py --workdir=workdir/tiny_math
 
-Builds the W1 policy on first use (pretrained from scratch, ~10 minutes on 2 CPU cores,
-cached under policy_cache_dir), warm-starts horizon heads on it, then runs GRPO with
+Starts from the committed W1 policy (specroll_jax/tasks/w1_policy; another build config is
+pretrained once into policy.cache_dir), warm-starts horizon heads on it, then runs GRPO with
 SpecRoll rollouts (--config.rollout.engine=vanilla for the baseline). The speculation gate
 (rollout.speculation_gate) runs a plain step wherever a tree is not expected to pay for
 its measured cost.
@@ -25,7 +25,7 @@ def get_config():
   c.steps = 40
   c.checkpoint_every = 5
   c.policy = ml_collections.ConfigDict(dict(
-      checkpoint='',                     # '' = the W1 default policy (built if missing)
+      checkpoint='',                     # '' = the committed W1 policy
       cache_dir='workdir/policies',
       dtype='float32'))
   # chat_template: prompts as a user turn through the tokenizer's chat template (instruct

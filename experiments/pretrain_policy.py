@@ -3,10 +3,10 @@
   python -m experiments.pretrain_policy --out=workdir/w1_policy
 
 Trains a small Llama (stories260K tokenizer) on prompt + step-by-step solution of mostly
-easy and some hard specroll_jax.synthetic_math problems within --max_minutes, reports
+easy and some hard specroll_jax.synthetic_math problems for --max_steps steps, reports
 greedy accuracy on held-out easy and hard problems, and saves an HF directory with
-pretrain_report.json. The same training builds the GRPO job's cached default policy
-(specroll_jax.default_policy).
+pretrain_report.json. With the default flags this is the build of the committed W1 policy
+(specroll_jax/tasks/default_policy.py says how it was rebuilt).
 """
 import dataclasses
 import json
@@ -23,8 +23,7 @@ _DEFAULTS = PretrainConfig()
 flags.DEFINE_string('out', None, 'Directory to write the policy to.')
 flags.DEFINE_bool('overwrite', False, 'Replace a policy already in --out.')
 flags.DEFINE_string('tokenizer', str(DEFAULT_CHECKPOINT), 'Directory whose tokenizer to use.')
-flags.DEFINE_float('max_minutes', _DEFAULTS.max_minutes, 'Training-loop time budget.')
-flags.DEFINE_integer('max_steps', _DEFAULTS.max_steps, 'Optimizer steps at most.')
+flags.DEFINE_integer('max_steps', _DEFAULTS.max_steps, 'Optimizer steps.')
 flags.DEFINE_integer('hidden_size', _DEFAULTS.hidden_size, 'Model width.')
 flags.DEFINE_integer('num_layers', _DEFAULTS.num_layers, 'Decoder layers.')
 flags.DEFINE_integer('intermediate_size', _DEFAULTS.intermediate_size, 'MLP width.')
@@ -43,7 +42,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   config = dataclasses.replace(
-      _DEFAULTS, max_minutes=FLAGS.max_minutes, max_steps=FLAGS.max_steps,
+      _DEFAULTS, max_steps=FLAGS.max_steps,
       hidden_size=FLAGS.hidden_size, num_layers=FLAGS.num_layers,
       intermediate_size=FLAGS.intermediate_size, batch_rows=FLAGS.batch_rows,
       learning_rate=FLAGS.learning_rate, hard_fraction=FLAGS.hard_fraction,

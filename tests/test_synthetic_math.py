@@ -1,4 +1,5 @@
 """The W1 task generator and a tiny pretraining run end to end."""
+import dataclasses
 import json
 import re
 
@@ -7,8 +8,10 @@ import pytest
 
 from specroll_jax import load_policy
 from specroll_jax.tasks import rewards
-from specroll_jax.tasks.default_policy import ensure_default_policy
-from specroll_jax.tasks.pretrain import PretrainConfig, REPORT_FILE, pretrain
+from specroll_jax.tasks.default_policy import (COMMITTED_POLICY, DIRECTORY_PREFIX, build_key,
+                                               ensure_default_policy)
+from specroll_jax.tasks.pretrain import (DEFAULT_TOKENIZER_DIR, PretrainConfig, REPORT_FILE,
+                                         file_sha256, pretrain)
 from specroll_jax.tasks.synthetic_math import make_problems
 
 _LINE = re.compile(r'(\d+) ([-+*/]) (\d+) = (\d+)')
@@ -64,6 +67,7 @@ def test_unknown_split_is_named():
 
 def test_tiny_pretraining_learns_and_saves_a_loadable_policy(tmp_path):
   out = ensure_default_policy(tmp_path, config=TINY)
+  assert out.parent == tmp_path and out.name.startswith(DIRECTORY_PREFIX)
   report = json.loads((out / REPORT_FILE).read_text())
   assert report['steps'] == TINY.max_steps
   assert report['final_loss'] < 0.8 * report['first_loss']
@@ -76,3 +80,19 @@ def test_tiny_pretraining_learns_and_saves_a_loadable_policy(tmp_path):
   assert json.loads((out / REPORT_FILE).read_text()) == report
   with pytest.raises(FileExistsError, match='already holds a policy'):
     pretrain(TINY, out)
+  # The same config builds the same weights, bit for bit (training is defined by steps,
+  # not by time); another config gets a directory of its own.
+  again = pretrain(TINY, tmp_path / 'again')
+  assert again['model_sha256'] == report['model_sha256'] == file_sha256(out / 'model.safetensors')
+  other = dataclasses.replace(TINY, seed=1)
+  assert build_key(other, DEFAULT_TOKENIZER_DIR) != build_key(TINY, DEFAULT_TOKENIZER_DIR)
+
+
+def test_the_default_config_is_the_committed_policy_unbuilt(tmp_path):
+  assert ensure_default_policy(tmp_path) == COMMITTED_POLICY
+  assert not any(tmp_path.iterdir())
+  report = json.loads((COMMITTED_POLICY / REPORT_FILE).read_text())
+  assert report['config'] == dataclasses.asdict(PretrainConfig())
+  assert file_sha256(COMMITTED_POLICY / 'model.safetensors') == report['model_sha256']
+  assert report['accuracy_hard'] >= 0.2  # rewards carry signal from the first GRPO step
+  assert load_policy(COMMITTED_POLICY).config.num_layers == PretrainConfig().num_layers

@@ -9,13 +9,15 @@ above zero (rewards carry signal) and well below one (there is something left to
 Examples are packed several to a row; a block-diagonal causal mask and per-example
 positions make each one see only itself, exactly as at generation time.
 
-The learning-rate schedule (linear warmup, cosine decay) runs on progress =
-max(step / max_steps, elapsed / time budget), so training ends with a decayed rate
-whichever limit comes first, on a fast machine or a shared 2-core CPU.
+Training is defined by its steps alone (linear warmup, then cosine decay over max_steps),
+never by elapsed time: a build stopped by a time budget gave a weaker policy on a busy
+machine (hard accuracy 0.08 instead of 0.30-0.62), so the same config and seed give the same
+policy however loaded the machine is (bit-identical on one machine; tests compare hashes).
 
 Used by experiments/pretrain_policy.py and default_policy.ensure_default_policy.
 """
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -71,11 +73,8 @@ class PretrainConfig:
   final_lr_fraction: float = 0.1
   warmup_steps: int = 50
   weight_decay: float = 0.1
-  # Whichever comes first. 2400 steps take about 7 minutes on an idle 2-core CPU, so faster
-  # machines stop at the same step and build (up to float rounding) the same policy; on a
-  # busy CPU the time budget stops training earlier, and accuracy is lower (see SPLITS).
+  # About 7 minutes on an idle 2-core CPU; data and evaluation add about a minute.
   max_steps: int = 2400
-  max_minutes: float = 8.0  # training loop only; data and evaluation add about a minute
   # Evaluation on held-out problems, greedy.
   eval_problems: int = 256  # per split
   max_new_tokens: int = 128
@@ -223,9 +222,9 @@ def make_optimizer(config: PretrainConfig) -> optax.GradientTransformation:
   return optax.inject_hyperparams(adamw)(learning_rate=config.learning_rate)
 
 
-def learning_rate(config: PretrainConfig, step: int, progress: float) -> float:
+def learning_rate(config: PretrainConfig, step: int) -> float:
   warmup = min(1.0, (step + 1) / config.warmup_steps)
-  cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+  cosine = 0.5 * (1.0 + math.cos(math.pi * step / config.max_steps))
   floor = config.final_lr_fraction
   return config.learning_rate * warmup * (floor + (1.0 - floor) * cosine)
 
@@ -261,27 +260,23 @@ def training_texts(config: PretrainConfig, problems) -> list[tuple[str, str]]:
 
 
 def train(config: PretrainConfig, policy_config: ModelConfig, data: Encoded) -> TrainResult:
-  """Trains fresh parameters until max_steps or the time budget, whichever comes first."""
+  """Trains fresh parameters for config.max_steps steps."""
   params = init_params(policy_config, config.seed)
   optimizer = make_optimizer(config)
   opt_state = optimizer.init(params)
   packer = Packer(data, config.row_width, config.seed)
-  budget = 60.0 * config.max_minutes
   losses = []
   begin = time.monotonic()
-  step, progress = 0, 0.0
   with tqdm(total=config.max_steps, desc='pretraining', file=sys.stderr) as bar:
-    while progress < 1.0:
+    for step in range(config.max_steps):
       batch = packer.batch(config.batch_rows)
-      lr = learning_rate(config, step, progress)
+      lr = learning_rate(config, step)
       params, opt_state, loss = train_step(policy_config, optimizer, params, opt_state, batch,
                                            jnp.float32(lr))
       losses.append(float(loss))
-      step += 1
-      progress = max(step / config.max_steps, (time.monotonic() - begin) / budget)
       bar.update()
       bar.set_postfix(loss=f'{losses[-1]:.3f}', lr=f'{lr:.2e}')
-  return TrainResult(params=params, steps=step, seconds=time.monotonic() - begin,
+  return TrainResult(params=params, steps=config.max_steps, seconds=time.monotonic() - begin,
                      first_loss=losses[0], final_loss=float(np.mean(losses[-20:])))
 
 
@@ -306,6 +301,10 @@ def held_out(split: str, config: PretrainConfig, seen: set) -> list:
     raise ValueError(f'only {len(fresh)} held-out {split} problems differ from the training '
                      f'pool; lower PretrainConfig.eval_problems or train_problems')
   return fresh
+
+
+def file_sha256(path: Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def has_policy(directory: Path) -> bool:
@@ -355,6 +354,7 @@ def _publish(policy: Policy, report: dict, out: Path) -> None:
   staging.chmod(0o755)  # mkdtemp makes it private; the policy is an ordinary directory.
   try:
     policy.save(staging)
+    report = dict(report, model_sha256=file_sha256(staging / 'model.safetensors'))
     (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + '\n')
   except BaseException:
     shutil.rmtree(staging)
