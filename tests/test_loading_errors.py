@@ -7,6 +7,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from specroll_jax import load_policy
+from specroll_jax.model.config import load_config
+from specroll_jax.spec.heads import HEADS_FILE, HeadsConfig, init_heads, load_heads, save_heads
 from tests.conftest import STORIES
 
 
@@ -89,3 +91,23 @@ def test_unsupported_rope(checkpoint):
   _edit_config(checkpoint, rope_parameters={'rope_type': 'yarn', 'factor': 2.0})
   with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
     load_policy(checkpoint)
+
+
+def _truncate(path):
+  with path.open('r+b') as f:
+    f.truncate(path.stat().st_size // 2)
+
+
+def test_truncated_weights_are_named(checkpoint):
+  _truncate(checkpoint / 'model.safetensors')
+  with pytest.raises(ValueError, match=r'model\.safetensors: not a readable safetensors file'):
+    load_policy(checkpoint)
+
+
+def test_truncated_heads_are_named(tmp_path):
+  model_config = load_config(STORIES)
+  heads_config = HeadsConfig(num_heads=2)
+  save_heads(tmp_path, heads_config, init_heads(heads_config, model_config))
+  _truncate(tmp_path / HEADS_FILE)
+  with pytest.raises(ValueError, match=r'heads\.safetensors: not a readable safetensors file'):
+    load_heads(tmp_path, model_config)

@@ -6,7 +6,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from specroll_jax.model.config import ModelConfig
@@ -61,25 +61,34 @@ def _safetensors_files(directory: Path) -> list[Path]:
   return files
 
 
+def unreadable(file: Path, error: Exception) -> ValueError:
+  """The error for a weights file that safetensors cannot parse (an interrupted copy, a
+  truncated download), naming the file."""
+  return ValueError(f'{file}: not a readable safetensors file, truncated or corrupt ({error})')
+
+
 def load_params(directory: Path, config: ModelConfig) -> dict:
   """Reads every weight the config needs, checking names and shapes, cast to config dtype."""
   layout = tensor_layout(config)
   flat = {}
   for file in _safetensors_files(directory):
-    with safe_open(str(file), framework='numpy') as f:
-      for name in f.keys():
-        if name not in layout:
-          if _IGNORED_TENSOR.fullmatch(name):
-            continue
-          raise ValueError(f'{file}: unexpected tensor {name!r} (not part of a '
-                           f'{config.architecture} with this config.json)')
-        path, shape, transposed = layout[name]
-        tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != shape:
-          raise ValueError(f'{file}: tensor {name!r} has shape {tuple(tensor.shape)}, '
-                           f'config.json implies {shape}')
-        tensor = np.asarray(tensor, dtype=np.float32)
-        flat[path] = jnp.asarray(tensor.T if transposed else tensor, dtype=config.jnp_dtype)
+    try:
+      with safe_open(str(file), framework='numpy') as f:
+        for name in f.keys():
+          if name not in layout:
+            if _IGNORED_TENSOR.fullmatch(name):
+              continue
+            raise ValueError(f'{file}: unexpected tensor {name!r} (not part of a '
+                             f'{config.architecture} with this config.json)')
+          path, shape, transposed = layout[name]
+          tensor = f.get_tensor(name)
+          if tuple(tensor.shape) != shape:
+            raise ValueError(f'{file}: tensor {name!r} has shape {tuple(tensor.shape)}, '
+                             f'config.json implies {shape}')
+          tensor = np.asarray(tensor, dtype=np.float32)
+          flat[path] = jnp.asarray(tensor.T if transposed else tensor, dtype=config.jnp_dtype)
+    except SafetensorError as e:
+      raise unreadable(file, e) from None
   missing = [name for name, (path, _, _) in layout.items() if path not in flat]
   if missing:
     shown = ', '.join(missing[:5]) + (' ...' if len(missing) > 5 else '')

@@ -13,8 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
+from safetensors import SafetensorError
 from safetensors.flax import load_file, save_file
 
+from specroll_jax.model.checkpoint import unreadable
 from specroll_jax.model.config import ModelConfig
 
 HEADS_FILE = 'heads.safetensors'
@@ -123,8 +125,11 @@ def load_heads(directory, model_config: ModelConfig) -> tuple[HeadsConfig, dict]
     config = HeadsConfig(**json.loads(config_path.read_text())['heads'])
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f'{config_path}: not a heads config ({e})') from None
-  params = traverse_util.unflatten_dict(
-      {tuple(k.split('/')): v for k, v in load_file(str(weights_path)).items()})
+  try:
+    tensors = load_file(str(weights_path))
+  except SafetensorError as e:
+    raise unreadable(weights_path, e) from None
+  params = traverse_util.unflatten_dict({tuple(k.split('/')): v for k, v in tensors.items()})
   expected = jax.eval_shape(lambda: init_heads(config, model_config))
   for name, want in traverse_util.flatten_dict(expected).items():
     got = traverse_util.flatten_dict(params).get(name)
