@@ -280,3 +280,19 @@ def test_learner_old_logprobs_ignore_the_rollout_logprobs(tiny_params):
     # micro-batches: float32 rounding of the log-probs (~1e-6) moves the ratio by as much,
     # the same 1e-5-of-the-largest-entry bound as the micro-batch test above.
     np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+def test_a_non_finite_update_is_rolled_back(tiny_params):
+  params = tiny_params
+  config = grpo.GRPOConfig(learning_rate=1e-2, micro_batch_size=2, learner_old_logprobs=False)
+  batch = _random_batch(params)
+  batch = batch.replace(advantages=batch.advantages.at[3].set(jnp.inf), ref_logprobs=None)
+  opt_state = grpo.make_optimizer(config).init(params)
+  new_params, new_opt_state, metrics, _ = grpo.train_step(TINY, config, params, opt_state, batch)
+  assert float(metrics['update_skipped']) == 1.0 and not np.isfinite(float(metrics['loss']))
+  for new, old in zip(jax.tree.leaves((new_params, new_opt_state)),
+                      jax.tree.leaves((params, opt_state))):
+    np.testing.assert_array_equal(new, old)
+  finite = batch.replace(advantages=jnp.zeros_like(batch.advantages).at[0].set(1.0))
+  _, _, metrics, _ = grpo.train_step(TINY, config, params, opt_state, finite)
+  assert float(metrics['update_skipped']) == 0.0

@@ -294,8 +294,15 @@ def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
   opt_state comes from `make_optimizer(config).init(params)`. Returns (params, opt_state,
   metrics, pairs); metrics['grad_norm'] is the global norm before clipping; pairs are the
   head-training pairs of `accumulated_gradients` (None unless config.harvest_top_k > 0).
+  A non-finite loss or gradient norm (one inf log-prob is enough) would write NaN into
+  every parameter through Adam's moments, so that update is rolled back: the params and
+  optimizer state come back unchanged and metrics['update_skipped'] is 1.
   """
   grads, metrics, pairs = accumulated_gradients(model_config, config, params, batch)
   metrics['grad_norm'] = optax.tree.norm(grads)
-  updates, opt_state = make_optimizer(config).update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, metrics, pairs
+  updates, new_opt_state = make_optimizer(config).update(grads, opt_state, params)
+  finite = jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  metrics['update_skipped'] = (~finite).astype(jnp.float32)
+  return (keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state),
+          metrics, pairs)

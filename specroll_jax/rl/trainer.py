@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import struct
 from tqdm import tqdm
 
@@ -359,6 +360,10 @@ def train(c, workdir) -> dict:
                                                          state.opt_state, batch)
       jax.block_until_ready(params)
       times['update'] = time.perf_counter() - start
+      if float(update['update_skipped']):
+        logging.warning('step %d: non-finite GRPO loss %s or gradient norm %s; the policy '
+                        'update was rolled back (metrics: update_skipped)', step + 1,
+                        float(update['loss']), float(update['grad_norm']))
       start = time.perf_counter()
       heads, adapted = state.heads, {}
       if adaptation is not None:
