@@ -77,10 +77,10 @@ def test_real_measurement_gives_a_sane_profile(stories_policy):
 
 
 def _canned_profile(config, spread=0.01, capacity_tokens=128):
-  fingerprint, dtype, backend, device_kind, software = capacity.profile_key(config)
+  fingerprint, dtype, backend, device_kind, cpu, software = capacity.profile_key(config)
   return CapacityProfile(
       config_fingerprint=fingerprint, dtype=dtype, backend=backend, device_kind=device_kind,
-      software=software, capacity_tokens=capacity_tokens,
+      host_cpu=cpu, software=software, capacity_tokens=capacity_tokens,
       measurements=((64, 1, 64, 1.0, spread), (64, 2, 128, 1.2, spread)),
       knee_factor=1.3, cache_length=256, created='2026-01-01T00:00:00+00:00')
 
@@ -139,6 +139,7 @@ def _without(profile, field):
     (lambda p: _without(p, 'capacity_tokens'), "missing fields \\['capacity_tokens'\\]"),
     (lambda p: p.to_json().replace('"measurements": [', '"measurements": [7, '), 'unusable'),
     (lambda p: dataclasses.replace(p, device_kind='TPU v9').to_json(), 'is for'),
+    (lambda p: dataclasses.replace(p, host_cpu='another CPU x96').to_json(), 'is for'),
     (lambda p: dataclasses.replace(p, software='jax 0.4.30, jaxlib 0.4.30').to_json(),
      'is for'),
     (lambda p: dataclasses.replace(p, measurements=((64, 1, 64, 1.0, 0.5),

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from functools import partial
@@ -47,11 +48,21 @@ def software_versions() -> str:
   return f'jax {jax.__version__}, jaxlib {jaxlib.__version__}'
 
 
+def host_cpu() -> str:
+  """The CPU model and core count: on the CPU backend every machine's device kind is
+  'cpu', and a profile measured on other cores (a cache directory copied or shared between
+  machines) would size trees for the wrong knee."""
+  cpuinfo = Path('/proc/cpuinfo')
+  models = ([l.split(':', 1)[1].strip() for l in cpuinfo.read_text().splitlines()
+             if l.startswith('model name')] if cpuinfo.is_file() else [])
+  return f'{models[0] if models else platform.processor() or platform.machine()} x{os.cpu_count()}'
+
+
 def profile_key(config: ModelConfig) -> tuple:
-  """What a profile is valid for: (config fingerprint, dtype, backend, device kind,
-  software versions)."""
+  """What a profile is valid for: (config fingerprint, dtype, backend, device kind, host
+  CPU, software versions)."""
   return (_digest(dataclasses.asdict(config)), config.dtype, jax.default_backend(),
-          jax.devices()[0].device_kind, software_versions())
+          jax.devices()[0].device_kind, host_cpu(), software_versions())
 
 
 def relative_spread(samples) -> float:
@@ -68,6 +79,7 @@ class CapacityProfile:
   dtype: str
   backend: str
   device_kind: str
+  host_cpu: str
   software: str
   capacity_tokens: int
   measurements: tuple  # ((batch, nodes, total_tokens, latency_ms, relative_spread), ...)
@@ -78,7 +90,7 @@ class CapacityProfile:
   @property
   def key(self) -> tuple:
     return (self.config_fingerprint, self.dtype, self.backend, self.device_kind,
-            self.software)
+            self.host_cpu, self.software)
 
   @property
   def spread(self) -> float:
@@ -111,7 +123,7 @@ class CapacityProfile:
     return cls(
         config_fingerprint=str(raw['config_fingerprint']), dtype=str(raw['dtype']),
         backend=str(raw['backend']), device_kind=str(raw['device_kind']),
-        software=str(raw['software']), capacity_tokens=int(raw['capacity_tokens']),
+        host_cpu=str(raw['host_cpu']), software=str(raw['software']), capacity_tokens=int(raw['capacity_tokens']),
         measurements=tuple((int(b), int(n), int(t), float(ms), float(spread))
                            for b, n, t, ms, spread in raw['measurements']),
         knee_factor=float(raw['knee_factor']), cache_length=int(raw['cache_length']),
@@ -229,10 +241,10 @@ def measure_capacity(config: ModelConfig, params, *, batches=DEFAULT_BATCHES,
       rows.append((batch, nodes, batch * nodes, latency_ms, spread))
       logging.info('capacity: batch %d, nodes %d: %.3f ms (spread %.3f)', batch, nodes,
                    latency_ms, spread)
-  fingerprint, dtype, backend, device_kind, software = profile_key(config)
+  fingerprint, dtype, backend, device_kind, cpu, software = profile_key(config)
   return CapacityProfile(
       config_fingerprint=fingerprint, dtype=dtype, backend=backend, device_kind=device_kind,
-      software=software, capacity_tokens=pick_capacity(rows, knee_factor),
+      host_cpu=cpu, software=software, capacity_tokens=pick_capacity(rows, knee_factor),
       measurements=tuple(rows),
       knee_factor=knee_factor, cache_length=cache_length,
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'))
