@@ -18,7 +18,6 @@ position, where running two engines measures only up to their first divergence.
 import json
 import platform
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from specroll_jax.rollout import sampling
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from experiments.roofline import call_seconds
 from experiments.workloads import benchmark_prompts
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/near_ties.py')
@@ -137,13 +137,7 @@ def teacher_forced_flips(policy, prompts, responses, c, sampler):
 
 
 def median_seconds(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return float(np.median(call_seconds(fn, *args, repeats=repeats)))
 
 
 def draw_costs(policy, batch, cache_length, sampler, repeats):

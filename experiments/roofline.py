@@ -14,14 +14,19 @@ import jax.numpy as jnp
 from specroll_jax.model.config import ModelConfig
 
 
-def _best_seconds(fn, *args, repeats: int = 5) -> float:
+def call_seconds(fn, *args, repeats: int) -> list[float]:
+  """Seconds of `repeats` calls of a jitted fn, after one call that compiles it."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return min(times)
+  return times
+
+
+def _best_seconds(fn, *args, repeats: int = 5) -> float:
+  return min(call_seconds(fn, *args, repeats=repeats))
 
 
 def measured_bandwidth(num_bytes: int = 1 << 30) -> float:
