@@ -133,6 +133,18 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
   assert not np.array_equal(result.params['w2'][1], heads['w2'][1])
 
 
+def test_a_non_finite_head_update_is_rolled_back_even_without_rollback(stories_policy,
+                                                                       pairs_and_heads):
+  policy = stories_policy
+  pairs, heads_config, heads = pairs_and_heads
+  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=float('inf'))
+  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
+                                     pairs, np.ones(HEADS, bool), seed=0, rollback=False)
+  assert not np.isfinite(result.kl_after).any() and not result.kept.any()
+  for name in heads:
+    np.testing.assert_array_equal(result.params[name], heads[name])
+
+
 def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads

@@ -98,7 +98,8 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
                 policy_params, pairs: HeadPairs, heads_mask, seed: int,
                 rollback: bool = True) -> Consolidation:
   """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves
-  (rollback=False keeps every trained head: the always-online baseline)."""
+  (rollback=False keeps every trained head: the always-online baseline). A head whose
+  held-out KL is not finite after training is rolled back in either mode."""
   heads_mask = np.asarray(heads_mask, bool)
   rows = pairs.tokens.shape[0]
   held = max(1, int(round(rows * config.held_out_fraction)))
@@ -117,7 +118,7 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
   before = np.asarray(held_out_kl(heads_config, model_config, head_params, policy_params,
                                   held_out))
   after = np.asarray(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
-  kept = heads_mask & ((after < before) | (not rollback))
+  kept = heads_mask & np.isfinite(after) & ((after < before) | (not rollback))
   keep = jnp.asarray(kept, jnp.float32)
   params = jax.tree.map(lambda new, old: jnp.where(
       keep.reshape((-1,) + (1,) * (new.ndim - 1)) > 0, new, old), trained, head_params)
