@@ -49,6 +49,16 @@ HEADS = HeadsConfig(num_heads=4)
 OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
 
 
+@pytest.fixture(autouse=True)
+def release_compiled_programs_per_test():
+  """This module compiles the largest programs of the suite (every engine variant, the
+  gated loop, the Pallas kernel in interpret mode): releasing them once per module let the
+  module's last test segfault in XLA:CPU's compile at the memory-map limit (see
+  conftest.py), even when the module ran alone."""
+  yield
+  jax.clear_caches()
+
+
 # Short matches and chains, so that these small runs find and verify group drafts often.
 GROUP = GroupDraftConfig(chains=2, chain_depth=4, min_match=1, max_match=8, matches=8)
 

@@ -342,13 +342,13 @@ def pretrain(config: PretrainConfig, out: Path, overwrite: bool = False,
       'steps': result.steps, 'train_seconds': round(result.seconds, 1),
       'first_loss': result.first_loss, 'final_loss': result.final_loss,
       'config': dataclasses.asdict(config), 'samples': samples}
-  _publish(policy, report, out)
-  return report
+  return _publish(policy, report, out)
 
 
-def _publish(policy: Policy, report: dict, out: Path) -> None:
+def _publish(policy: Policy, report: dict, out: Path) -> dict:
   """Writes the policy and report to a sibling temporary directory, then swaps it in, so
-  `out` never holds half a policy (has_policy(out) means the whole save finished)."""
+  `out` never holds half a policy (has_policy(out) means the whole save finished). Returns
+  the report as written, with the weights' sha256."""
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
   staging.chmod(0o755)  # mkdtemp makes it private; the policy is an ordinary directory.
@@ -366,3 +366,4 @@ def _publish(policy: Policy, report: dict, out: Path) -> None:
     shutil.rmtree(retired)
   else:
     staging.replace(out)
+  return report
