@@ -211,7 +211,8 @@ def main(argv):
                                        if f['two_level_gumbel_max'] else None)
   (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
   lines = ['| workload | vocab | draws (positions x keys) | max logit diff | contract | flips '
-           '| flip rate | 95% upper | draw ms | share of step |', '|---|---:|---:|---:|---|---:|---:|---:|---:|---:|']
+           '| flip rate | 95% upper | draw ms | share of step |',
+           '|---|---:|---:|---:|---|---:|---:|---:|---:|---:|']
   for key, m in measured.items():
     for name in CONTRACTS:
       lines.append(f"| {key} | {m['vocab_size']} | {m['draws']} | {m['max_logit_diff']:.1e} | "

@@ -123,7 +123,8 @@ class CapacityProfile:
     return cls(
         config_fingerprint=str(raw['config_fingerprint']), dtype=str(raw['dtype']),
         backend=str(raw['backend']), device_kind=str(raw['device_kind']),
-        host_cpu=str(raw['host_cpu']), software=str(raw['software']), capacity_tokens=int(raw['capacity_tokens']),
+        host_cpu=str(raw['host_cpu']), software=str(raw['software']),
+        capacity_tokens=int(raw['capacity_tokens']),
         measurements=tuple((int(b), int(n), int(t), float(ms), float(spread))
                            for b, n, t, ms, spread in raw['measurements']),
         knee_factor=float(raw['knee_factor']), cache_length=int(raw['cache_length']),
