@@ -26,6 +26,7 @@ def get_config():
   c.metrics.drift_kl = True
   c.variants = ('static', 'online', 'reflex', 'slow', 'both')
   c.include_vanilla = True
+  c.audit.every = 0  # vanilla runs as its own variant
   c.window = 20  # steps averaged into tau_first20 / tau_last20
   c.warmup_steps = 5  # excluded from the times: they compile the engines' shapes
   c.out_dir = 'results/ablation_w1'

@@ -13,6 +13,7 @@ import ml_collections
 from specroll_jax.adapt.consolidation import ConsolidationConfig
 from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.rl.audit import AuditConfig
 from specroll_jax.rl.grpo import GRPOConfig
 from specroll_jax.rl.sections import section
 from specroll_jax.spec.gate import GateConfig
@@ -47,6 +48,9 @@ def get_config():
       mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig)))
   c.metrics = ml_collections.ConfigDict(dict(drift_kl=False))
+  # Every 5th step vanilla replays the rollout: identical responses and the measured
+  # speedup go into metrics.jsonl and report.md.
+  c.audit = section(AuditConfig, every=5)
   # group_size and temperature are the rollout's; harvest_top_k follows adaptation.mode.
   c.grpo = section(GRPOConfig, exclude=('group_size', 'temperature', 'harvest_top_k'),
                    learning_rate=1e-4, micro_batch_size=32)

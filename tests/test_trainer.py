@@ -1,5 +1,8 @@
 """The GRPO trainer: speculation changes nothing in training, and a killed run resumes."""
 import json
+import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs.tiny_math import get_config
-from specroll_jax.rl.trainer import STEP_COSTS_FILE, train
+from specroll_jax.rl.trainer import STEP_COSTS_FILE, _truncate_metrics, train
 from tests.conftest import REPO, STORIES
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight
@@ -20,7 +23,7 @@ SMALL = {'steps': 3, 'checkpoint_every': 1, 'policy.checkpoint': str(STORIES), '
          'rollout.group_size': 4, 'rollout.max_new_tokens': 20, 'rollout.max_batch': 16,
          'rollout.capacity_tokens': 64, 'grpo.micro_batch_size': 8, 'grpo.weight_decay': 0.5,
          'grpo.learning_rate': 1e-2, 'task.count': 64, 'heads.num_sequences': 16,
-         'heads.held_out': 4, 'heads.steps': 5}
+         'heads.held_out': 4, 'heads.steps': 5, 'audit.every': 0}
 
 
 def _config(**extra):
@@ -74,29 +77,82 @@ def test_specroll_and_vanilla_training_agree(tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
+# Kills land in the first phases of a step; each is checked to have landed where meant.
+KILLS = (('rollout', 2, 0.15), ('update', 2, 0.15), ('checkpoint', 3, 0.03))
+# Keys whose values are measurements of this run, not results of its computation.
+MEASURED = ('time_', 'rss_mib', 'live_array', 'compilations')
+
+
 def _command(workdir):
-  overrides = {**SMALL, 'steps': 4, 'rollout.engine': 'vanilla'}
+  overrides = {**SMALL, **ALWAYS_TRIGGER, 'steps': 4, 'rollout.engine': 'specroll'}
   return [sys.executable, '-m', 'experiments.train_grpo', f'--workdir={workdir}',
           *[f'--config.{k}={v}' for k, v in overrides.items()]]
 
 
-def test_killed_run_resumes_to_the_same_parameters(tmp_path):
-  straight, killed = tmp_path / 'straight', tmp_path / 'killed'
-  subprocess.run(_command(straight), cwd=REPO, check=True, capture_output=True)
-  process = subprocess.Popen(_command(killed), cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while time.time() < deadline and not (
-      (killed / 'metrics.jsonl').exists() and len(_metrics(killed)) >= 2):
-    time.sleep(0.2)
-  process.send_signal(signal.SIGKILL)
+def _environment(cache):
+  # A shared persistent compilation cache: a relaunch loads the programs instead of
+  # compiling them again (the same executables, so the same bits).
+  return {**os.environ, 'JAX_COMPILATION_CACHE_DIR': str(cache),
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+
+
+def _kill_in_phase(workdir, env, phase, step, max_delay, rng):
+  """Runs the job until it logs `step N: phase`, then SIGKILLs it after a random delay;
+  returns the last phase it logged before dying."""
+  marker = re.compile(r'step (\d+): (\w[\w ]*)$')
+  process = subprocess.Popen(_command(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  seen = []
+  for line in process.stderr:
+    found = marker.search(line.strip())
+    if found:
+      seen.append((int(found[1]), found[2]))
+      if seen[-1] == (step, phase):
+        time.sleep(rng.uniform(0.0, max_delay))
+        process.send_signal(signal.SIGKILL)
+        break
+  rest = process.stderr.read()
   process.wait()
-  assert len(_metrics(killed)) < 4, 'the run finished before it could be interrupted'
-  subprocess.run(_command(killed), cwd=REPO, check=True, capture_output=True)
-  assert [m['rollout_digest'] for m in _metrics(killed)] == [
-      m['rollout_digest'] for m in _metrics(straight)]
-  for x, y in zip(_final_params(killed), _final_params(straight)):
+  seen += [(int(m[1]), m[2]) for m in map(marker.search, rest.splitlines()) if m]
+  assert process.returncode == -signal.SIGKILL, f'{phase}: the run ended before the kill'
+  return seen[-1]
+
+
+def _checkpoint(workdir):
+  manager = ocp.CheckpointManager((workdir / 'checkpoints').resolve())
+  return manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())
+
+
+def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
+  rng = random.Random(0)
+  env = _environment(tmp_path / 'xla_cache')
+  straight, killed = tmp_path / 'straight', tmp_path / 'killed'
+  for workdir in (straight, killed):
+    workdir.mkdir()
+    # Prices saved as a resumed run finds them (pricing is timed, so it would differ).
+    (workdir / STEP_COSTS_FILE).write_text(json.dumps([[16, 0.5]]))
+  subprocess.run(_command(straight), cwd=REPO, env=env, check=True, capture_output=True)
+  for phase, step, max_delay in KILLS:
+    assert _kill_in_phase(killed, env, phase, step, max_delay, rng) == (step, phase)
+    if phase == 'checkpoint':
+      partial = list((killed / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))
+      assert partial, 'the kill came after the checkpoint write had finished'
+  subprocess.run(_command(killed), cwd=REPO, env=env, check=True, capture_output=True)
+  drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
+  assert drop(_metrics(killed)) == drop(_metrics(straight))
+  a, b = _checkpoint(killed), _checkpoint(straight)
+  assert int(a['step']) == int(b['step']) == 4
+  # Policy, optimizer state, heads and the slow path's monitor, bit for bit.
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)
+
+
+def test_metrics_cut_short_by_a_kill_are_dropped_on_resume(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
+  _truncate_metrics(path, last_step=2)
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
 def test_config_pointing_at_a_missing_checkpoint_is_a_clear_error(tmp_path):

@@ -31,8 +31,11 @@ from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import grpo
+from specroll_jax.rl.audit import Audit, AuditConfig
 from specroll_jax.rl.report import write_report
+from specroll_jax.rl.resources import process_memory
 from specroll_jax.rl.sections import build
+from specroll_jax.rollout.compilation import compilations_so_far
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
@@ -87,6 +90,7 @@ def check_config(c) -> None:
                      f'rollout.proposers={c.rollout.proposers!r} has none (use mode=static)')
   build(GroupDraftConfig, c.rollout.group, 'rollout.group')
   build(GateConfig, c.rollout.gate, 'rollout.gate')
+  build(AuditConfig, c.audit, 'audit')
   sampler(c)
 
 
@@ -279,11 +283,19 @@ def run_prompt_width(prompts: list[list[int]]) -> int:
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-  """Drops metric lines after the restored step (written before an interruption)."""
+  """Drops metric lines after the restored step (written before an interruption), and a
+  last line a kill cut short (every complete line ends with a newline)."""
   if path.exists():
-    keep = [line for line in path.read_text().splitlines()
-            if line and json.loads(line)['step'] <= last_step]
-    path.write_text(''.join(line + '\n' for line in keep))
+    lines = path.read_text().split('\n')[:-1]
+    keep = [line for line in lines if json.loads(line)['step'] <= last_step]
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(''.join(line + '\n' for line in keep))
+    tmp.replace(path)
+
+
+def _phase(step: int, name: str) -> None:
+  """Logs where the run is (the kill-and-resume test interrupts each phase)."""
+  logging.info('step %d: %s', step, name)
 
 
 def train(c, workdir) -> dict:
@@ -308,6 +320,8 @@ def train(c, workdir) -> dict:
   prompt_width = run_prompt_width(task_prompts)
   rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width,
                       workdir / STEP_COSTS_FILE)
+  audit = Audit(policy, build(AuditConfig, c.audit, 'audit'), sampler(c),
+                rollouts.driver.config, c.rollout.group_size)
   if uses_heads:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
@@ -335,10 +349,18 @@ def train(c, workdir) -> dict:
       batch_tasks = [tasks[i] for i in indices]
       prompts = [task_prompts[i] for i in indices]
       times = {}
+      compiled_before = compilations_so_far()
+      _phase(step + 1, 'rollout')
       start = time.perf_counter()
       responses = rollouts.generate(state.policy, state.heads and state.heads.params, prompts,
                                     seed=step_seed(c, step))
       times['rollout'] = time.perf_counter() - start
+      audited = {}
+      if audit.due(step + 1):
+        _phase(step + 1, 'audit')
+        start = time.perf_counter()
+        audited = audit(state.policy, prompts, step_seed(c, step), responses, times['rollout'])
+        times['audit'] = time.perf_counter() - start
       start = time.perf_counter()
       texts = [policy.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in responses]
       scores = np.array([rewards.score(text, batch_tasks[r.prompt_index].answer,
@@ -355,6 +377,7 @@ def train(c, workdir) -> dict:
             policy.config, reference, batch.tokens, config.temperature))
       jax.block_until_ready(batch)
       times['logprobs'] = time.perf_counter() - start
+      _phase(step + 1, 'update')
       start = time.perf_counter()
       params, opt_state, update, pairs = grpo.train_step(policy.config, config, state.policy,
                                                          state.opt_state, batch)
@@ -367,6 +390,7 @@ def train(c, workdir) -> dict:
       start = time.perf_counter()
       heads, adapted = state.heads, {}
       if adaptation is not None:
+        _phase(step + 1, 'head update')
         # Pairs come from the pre-update policy's forward, so they are scored with it.
         heads, adapted = adaptation.update(heads, state.policy, responses, pairs,
                                            [len(p) for p in row_prompts], seed=step_seed(c, step))
@@ -384,12 +408,14 @@ def train(c, workdir) -> dict:
               'tree_step_share': summary.get('tree_step_share'),
               'rollout_digest': rollout_digest(responses),
               **{k: v for k, v in summary.items() if k.startswith(('reflex_', 'group_'))},
-              **adapted,
+              **adapted, **audited,
               **{k: float(v) for k, v in update.items()},
-              **{f'time_{k}': v for k, v in times.items()}}
+              **{f'time_{k}': v for k, v in times.items()},
+              'compilations': compilations_so_far() - compiled_before, **process_memory()}
       with metrics_path.open('a') as f:
         f.write(json.dumps(last) + '\n')
       if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps:
+        _phase(step + 1, 'checkpoint')
         manager.save(step + 1, args=ocp.args.StandardSave(state))
       bar.update(1)
       bar.set_postfix(reward=f"{last['reward']:.2f}", tau=f"{last['tau']:.2f}")

@@ -16,8 +16,13 @@ def _on_event(event: str, duration_secs: float, **kwargs) -> None:
 monitoring.register_event_duration_secs_listener(_on_event)
 
 
+def compilations_so_far() -> int:
+  """XLA compilations in this process since the package was imported."""
+  return _counter['count']
+
+
 @contextlib.contextmanager
 def count_compilations():
   """Yields a zero-argument callable returning the compilations since entry."""
-  start = _counter['count']
-  yield lambda: _counter['count'] - start
+  start = compilations_so_far()
+  yield lambda: compilations_so_far() - start

@@ -96,17 +96,51 @@ def block_size(vocab_size: int) -> int:
   return 2 ** max(0, round(math.log2(math.sqrt(vocab_size))))
 
 
-def two_level_gumbel_max(weights: jax.Array, key: jax.Array) -> jax.Array:
-  """One draw from softmax(weights [V]) under the contract."""
+def _blocks(weights: jax.Array) -> jax.Array:
+  """weights [V] padded with -inf to [nb, b]: the contract's blocks of consecutive ids."""
   b = block_size(weights.shape[-1])
   blocks = -(-weights.shape[-1] // b)
-  w = jnp.pad(weights, (0, blocks * b - weights.shape[-1]),
-              constant_values=-jnp.inf).reshape(blocks, b)
-  block_noise = jax.random.gumbel(jax.random.fold_in(key, 0), (blocks,), jnp.float32)
-  j = jnp.argmax(jax.nn.logsumexp(w, axis=-1) + block_noise)
-  token_noise = jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, 1), j), (b,),
-                                  jnp.float32)
-  return (j * b + jnp.argmax(w[j] + token_noise)).astype(jnp.int32)
+  return jnp.pad(weights, (0, blocks * b - weights.shape[-1]),
+                 constant_values=-jnp.inf).reshape(blocks, b)
+
+
+def _block_scores(w: jax.Array, key: jax.Array) -> jax.Array:
+  """The first level's perturbed scores, one per block of `w` [nb, b]."""
+  noise = jax.random.gumbel(jax.random.fold_in(key, 0), (w.shape[0],), jnp.float32)
+  return jax.nn.logsumexp(w, axis=-1) + noise
+
+
+def _token_scores(w: jax.Array, key: jax.Array, block: jax.Array) -> jax.Array:
+  """The second level's perturbed scores of the ids in `block`."""
+  noise = jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, 1), block),
+                            (w.shape[1],), jnp.float32)
+  return w[block] + noise
+
+
+def two_level_gumbel_max(weights: jax.Array, key: jax.Array) -> jax.Array:
+  """One draw from softmax(weights [V]) under the contract."""
+  w = _blocks(weights)
+  j = jnp.argmax(_block_scores(w, key))
+  return (j * w.shape[1] + jnp.argmax(_token_scores(w, key, j))).astype(jnp.int32)
+
+
+def draw_margin(weights: jax.Array, key: jax.Array, token_a: int, token_b: int,
+                greedy: bool) -> float:
+  """How far apart the contract puts two tokens' scores, at the level where one draw chose
+  between them (the block level when they lie in different blocks, else the token level;
+  the raw logits when greedy). Two engines that drew a and b from logits this close to
+  each other met a float near-tie; a margin of order one means one of them broke the
+  contract."""
+  if greedy:
+    return float(jnp.abs(weights[token_a] - weights[token_b]))
+  w = _blocks(weights)
+  b = w.shape[1]
+  block_a, block_b = token_a // b, token_b // b
+  if block_a != block_b:
+    scores = _block_scores(w, key)
+    return float(jnp.abs(scores[block_a] - scores[block_b]))
+  scores = _token_scores(w, key, jnp.int32(block_a))
+  return float(jnp.abs(scores[token_a % b] - scores[token_b % b]))
 
 
 def draw(logits: jax.Array, keys: jax.Array, sampler: SamplerConfig,
