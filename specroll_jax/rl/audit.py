@@ -93,17 +93,25 @@ class Audit:
             'audit_vanilla_compilations': compiled()}
 
   def _margin(self, policy_params, prompts, seed: int, response, reference) -> float:
-    """The draw margin at the first token where `response` and vanilla's `reference` differ
-    (inf where one is a strict prefix of the other: no draw explains that)."""
-    ours, theirs = list(response.token_ids), list(reference.token_ids)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if first is None:
-      return float('inf')
-    prefix = list(prompts[response.prompt_index]) + theirs[:first]
-    tokens = np.zeros((1, self.width), np.int32)
-    tokens[0, :len(prefix)] = prefix
-    weights = _weights_at(self.policy_config, policy_params, jnp.asarray(tokens), self.sampler,
-                          len(prefix))
     row = response.prompt_index * self.group_size + response.sample_index
-    key = token_keys(jax.random.key(seed), jnp.int32(row), jnp.int32(len(prefix)))
-    return draw_margin(weights, key, ours[first], theirs[first], self.sampler.greedy)
+    return divergence_margin(self.policy_config, policy_params, self.sampler, self.width,
+                             prompts[response.prompt_index], response.token_ids,
+                             reference.token_ids, seed, row)
+
+
+def divergence_margin(config: ModelConfig, params, sampler: SamplerConfig, width: int, prompt,
+                      ours, theirs, seed: int, row: int) -> float:
+  """The draw margin at the first token where response `ours` and vanilla's `theirs` (row
+  `row` of a rollout seeded `seed`) differ, from the policy's full-sequence forward over
+  their shared prefix padded to `width` tokens; inf where one is a strict prefix of the
+  other, which no draw explains."""
+  ours, theirs = list(ours), list(theirs)
+  first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+  if first is None:
+    return float('inf')
+  prefix = list(prompt) + theirs[:first]
+  tokens = np.zeros((1, width), np.int32)
+  tokens[0, :len(prefix)] = prefix
+  weights = _weights_at(config, params, jnp.asarray(tokens), sampler, len(prefix))
+  key = token_keys(jax.random.key(seed), jnp.int32(row), jnp.int32(len(prefix)))
+  return draw_margin(weights, key, ours[first], theirs[first], sampler.greedy)
