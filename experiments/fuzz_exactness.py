@@ -16,6 +16,7 @@ few cases per suite run); this script runs many and commits what it saw.
 """
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -222,8 +223,7 @@ def main(argv):
   sampled = [r for r in records if r['case']['temperature'] > 0.0]
   count = lambda rows, key: sum(r['outcome'][key] for r in rows)
   summary = {
-      'command': f'python -m experiments.fuzz_exactness --cases={_CASES.value} '
-                 f'--seed={_SEED.value} --out_dir={_OUT.value}',
+      'command': ' '.join(['python -m experiments.fuzz_exactness', *sys.argv[1:]]),
       'cases': len(records), 'greedy_cases': len(greedy), 'sampled_cases': len(sampled),
       'greedy_responses': count(greedy, 'responses'),
       'greedy_mismatches': count(greedy, 'responses') - count(greedy, 'identical'),

@@ -43,10 +43,9 @@ def measured_matmul_rate(size: int = 2048) -> float:
 
 def decode_roofline(config: ModelConfig, num_params: int, batch: int, cache_slots: int) -> dict:
   """The step's lower bound at `batch` rows with `cache_slots` filled slots per row."""
-  bytes_per_value = jnp.dtype(config.jnp_dtype).itemsize
-  weight_bytes = num_params * bytes_per_value
+  weight_bytes = num_params * jnp.dtype(config.jnp_dtype).itemsize
   kv_values = 2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_slots
-  cache_bytes = batch * kv_values * bytes_per_value
+  cache_bytes = batch * kv_values * jnp.dtype(config.activation_dtype).itemsize
   # Every weight is a matmul operand except an untied input embedding (a row gather).
   matmul_params = num_params - (0 if config.tie_word_embeddings
                                 else config.vocab_size * config.hidden_size)

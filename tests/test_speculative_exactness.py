@@ -33,6 +33,7 @@ from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
 from specroll_jax.spec.tree import TreeConfig
+from tests.conftest import STORIES
 from tests.tiny_models import make_checkpoint
 
 PROMPTS = ['Once upon a time', 'The cat sat on', 'Lily and Tom went to the park to play', 'Hi']
@@ -199,6 +200,22 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
                             TreeConfig(capacity_tokens=32, max_nodes=16),
                             _encode(stories_policy), 3, 40, 8, (2,), oracle=oracle, seed=11)
   _check(vanilla, spec, greedy=False)
+
+
+@pytest.fixture(scope='module')
+def stories_bf16():
+  """stories260K in bfloat16 with float32 decisions (the default for bf16 parameters)."""
+  return load_policy(STORIES, dtype='bfloat16')
+
+
+@pytest.mark.parametrize('sampler', [SamplerConfig(temperature=0.0),
+                                     SamplerConfig(temperature=1.0)], ids=['greedy', 'T=1'])
+def test_bfloat16_policy_identical(stories_bf16, sampler):
+  # The oracle keeps most tokens inside a tree's block, where bf16 would differ most.
+  vanilla, spec = _run_both(stories_bf16, sampler, _heads(stories_bf16, 'random'),
+                            TreeConfig(capacity_tokens=64, max_nodes=16),
+                            _encode(stories_bf16), 3, 40, 8, (2,), oracle=True, seed=11)
+  _check(vanilla, spec, greedy=sampler.greedy)
 
 
 # A quick probe and a price no tree pays: the gate alternates warm-up and probing trees with

@@ -40,11 +40,22 @@ class ModelConfig:
   o_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2 biases q/k/v only.
   bos_token_id: int | None
   eos_token_id: int | None
-  dtype: str = 'float32'
+  dtype: str = 'float32'  # of the parameters
+  # With bfloat16 parameters: every activation (and the KV cache) in float32, the weights
+  # upcast where they are used, so tokens are decided as a float32 model would decide
+  # them. False = every activation bf16. Measured against each other, and against bf16
+  # matmul inputs with float32 accumulation, in experiments.measure_bf16 (WORKSPACE_NOTES,
+  # "bfloat16"). No effect in float32.
+  float32_decisions: bool = True
 
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def activation_dtype(self):
+    """The dtype of every activation and of the KV cache."""
+    return jnp.float32 if self.float32_decisions else self.jnp_dtype
 
   def with_dtype(self, dtype: str) -> 'ModelConfig':
     if dtype not in _DTYPES:

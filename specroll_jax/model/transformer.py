@@ -17,14 +17,25 @@ from specroll_jax.model.kv_cache import BlockKV, KVCache
 
 class RMSNorm(nn.Module):
   eps: float
-  dtype: jnp.dtype
+  dtype: jnp.dtype        # of the output
+  param_dtype: jnp.dtype
 
   @nn.compact
   def __call__(self, x):
-    weight = self.param('weight', nn.initializers.ones, (x.shape[-1],), self.dtype)
+    weight = self.param('weight', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return weight * x32.astype(self.dtype)
+    return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def dense(config: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
+  """A projection with the model's parameters, computed in the activation dtype."""
+  return nn.Dense(features, use_bias=bias, dtype=config.activation_dtype,
+                  param_dtype=config.jnp_dtype, name=name)
+
+
+def norm(config: ModelConfig, name: str | None = None) -> RMSNorm:
+  return RMSNorm(config.rms_norm_eps, config.activation_dtype, config.jnp_dtype, name=name)
 
 
 def rope_tables(positions, config: ModelConfig):
@@ -48,19 +59,17 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, rope, block_mask, k_cache, v_cache, cache_lengths):
     c = self.config
-    dense = lambda features, bias, name: nn.Dense(
-        features, use_bias=bias, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, name=name)
     batch, t_len, _ = x.shape
-    q = dense(c.num_heads * c.head_dim, c.qkv_bias, 'q_proj')(x)
-    k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, 'k_proj')(x)
-    v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, 'v_proj')(x)
+    q = dense(c, c.num_heads * c.head_dim, c.qkv_bias, 'q_proj')(x)
+    k = dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, 'k_proj')(x)
+    v = dense(c, c.num_kv_heads * c.head_dim, c.qkv_bias, 'v_proj')(x)
     q = q.reshape(batch, t_len, c.num_heads, c.head_dim)
     k = k.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
     v = v.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
                             scale=c.head_dim ** -0.5)
-    out = dense(c.hidden_size, c.o_bias, 'o_proj')(out.reshape(batch, t_len, -1))
+    out = dense(c, c.hidden_size, c.o_bias, 'o_proj')(out.reshape(batch, t_len, -1))
     return out, k, v
 
 
@@ -70,11 +79,9 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     c = self.config
-    dense = lambda features, name: nn.Dense(
-        features, use_bias=False, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, name=name)
-    gate = dense(c.intermediate_size, 'gate_proj')(x)
-    up = dense(c.intermediate_size, 'up_proj')(x)
-    return dense(c.hidden_size, 'down_proj')(nn.silu(gate) * up)
+    gate = dense(c, c.intermediate_size, False, 'gate_proj')(x)
+    up = dense(c, c.intermediate_size, False, 'up_proj')(x)
+    return dense(c, c.hidden_size, False, 'down_proj')(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -84,11 +91,11 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x, rope, block_mask, k_cache, v_cache, cache_lengths):
     c = self.config
-    h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='input_layernorm')(x)
+    h = norm(c, 'input_layernorm')(x)
     attn, k, v = Attention(c, self.attention_fn, name='self_attn')(
         h, rope, block_mask, k_cache, v_cache, cache_lengths)
     x = x + attn
-    h = RMSNorm(c.rms_norm_eps, c.jnp_dtype, name='post_attention_layernorm')(x)
+    h = norm(c, 'post_attention_layernorm')(x)
     return x + MLP(c, name='mlp')(h), k, v
 
 
@@ -99,13 +106,13 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.activation_dtype,
                                  param_dtype=c.jnp_dtype)
     self.layers = [DecoderLayer(c, self.attention_fn, name=f'layers_{i}')
                    for i in range(c.num_layers)]
-    self.norm = RMSNorm(c.rms_norm_eps, c.jnp_dtype)
+    self.norm = norm(c)
     if not c.tie_word_embeddings:
-      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.jnp_dtype,
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.activation_dtype,
                               param_dtype=c.jnp_dtype)
 
   def __call__(self, tokens, positions, block_mask, cache: KVCache | None = None):

@@ -37,7 +37,9 @@ def _audit_lines(audits) -> list[str]:
   return lines + ['']
 
 
-def write_report(workdir) -> Path:
+def write_report(workdir, window: int = 5) -> Path:
+  """report.md and its plots; rewards and accuracy are compared between the first and the
+  last `window` steps."""
   workdir = Path(workdir)
   rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
           if line]
@@ -64,7 +66,7 @@ def write_report(workdir) -> Path:
   fig.tight_layout()
   fig.savefig(workdir / 'time_breakdown.png', dpi=100)
   plt.close(fig)
-  window = max(1, min(5, len(rows) // 2))
+  window = max(1, min(window, len(rows) // 2))
   first, last = _window_mean(rows, 'reward', window)
   acc_first, acc_last = _window_mean(rows, 'accuracy', window)
   lines = ['# GRPO run report', '',

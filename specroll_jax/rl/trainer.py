@@ -420,5 +420,7 @@ def train(c, workdir) -> dict:
       bar.update(1)
       bar.set_postfix(reward=f"{last['reward']:.2f}", tau=f"{last['tau']:.2f}")
   manager.wait_until_finished()
-  write_report(workdir)
+  # Whole passes over the task list, so both windows hold the same prompts when it cycles.
+  steps_per_pass = -(-len(tasks) // per_step)
+  write_report(workdir, window=max(1, min(steps_per_pass, c.steps // 4)))
   return last
