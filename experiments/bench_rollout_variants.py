@@ -1,0 +1,91 @@
+"""The GRPO rollout's drafting variants against vanilla, on one batch of a training config.
+
+  python -m experiments.bench_rollout_variants --config=configs/tiny_math.py \
+      --heads_dir=workdir/tiny_math/heads --out_dir=results/rollout_variants
+
+Where the main job's audited 0.75x comes from: the trainer's own `Rollouts` (engine, gate,
+driver at the run's prompt width) are built for vanilla and for each drafting variant
+(heads alone, heads + Reflex, heads + group drafts, heads + group drafts + Reflex: the
+default), on the config's first batch of prompts with the trained policy it starts from and
+the heads in --heads_dir (a run's warm start). Each variant's gate is priced once on that
+batch; then every variant is timed --repeats times, in alternation, in this process, and
+the ratio of medians to vanilla is reported with tau and the share of tree steps.
+"""
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from specroll_jax.model.policy import load_policy
+from specroll_jax.rl.trainer import Rollouts, resolve_policy, run_prompt_width
+from specroll_jax.spec.heads import load_heads
+from specroll_jax.tasks.sources import load_tasks
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
+_HEADS = flags.DEFINE_string('heads_dir', 'workdir/tiny_math/heads', 'Warm-started heads.')
+_OUT = flags.DEFINE_string('out_dir', 'results/rollout_variants', 'Where results go.')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per variant.')
+
+# name: (rollout.engine, rollout.proposers, adaptation.mode)
+VARIANTS = {'vanilla': ('vanilla', 'heads', 'static'),
+            'heads': ('specroll', 'heads', 'static'),
+            'heads+reflex': ('specroll', 'heads', 'reflex'),
+            'heads+group': ('specroll', 'heads,group', 'static'),
+            'heads+group+reflex': ('specroll', 'heads,group', 'both')}
+
+
+def main(argv):
+  del argv
+  base = _CONFIG.value
+  policy = load_policy(resolve_policy(base), dtype=base.policy.dtype)
+  tasks = load_tasks(base.task.source, count=base.task.count, seed=base.seed)
+  task_prompts = [policy.prompt_ids(t.prompt, base.task.chat_template) for t in tasks]
+  prompts = task_prompts[:base.rollout.prompts_per_step]
+  heads_config, heads = load_heads(_HEADS.value, policy.config)
+  runs = {}
+  with tempfile.TemporaryDirectory() as prices:
+    for name, (engine, proposers, mode) in VARIANTS.items():
+      c = base.copy_and_resolve_references()
+      c.rollout.engine, c.rollout.proposers, c.adaptation.mode = engine, proposers, mode
+      rollouts = Rollouts(policy, c, heads_config, Path(_HEADS.value),
+                          run_prompt_width(task_prompts), Path(prices) / f'{name}.json')
+      rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
+      runs[name] = rollouts
+  times = {name: [] for name in runs}
+  summaries = {}
+  for _ in range(_REPEATS.value):
+    for name, rollouts in runs.items():
+      start = time.perf_counter()
+      responses = rollouts.generate(policy.params, heads, prompts, base.seed)
+      times[name].append(time.perf_counter() - start)
+      summaries[name] = rollouts.engine.summarize(responses)
+  vanilla = statistics.median(times['vanilla'])
+  result = {'command': ' '.join(['python -m experiments.bench_rollout_variants', *sys.argv[1:]]),
+            'responses': len(prompts) * base.rollout.group_size,
+            'variants': {name: {'median_s': statistics.median(t), 'times_s': t,
+                                'speedup': vanilla / statistics.median(t),
+                                'tau': summaries[name]['tau'],
+                                'tree_step_share': summaries[name].get('tree_step_share'),
+                                'tokens': summaries[name]['tokens']}
+                         for name, t in times.items()}}
+  out = Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
+  lines = ['# GRPO rollout variants against vanilla', '', f"`{result['command']}`", '',
+           f"{result['responses']} responses, medians of {_REPEATS.value} alternating runs.",
+           '', '| variant | median s | speedup | tau | tree steps |', '|---|---:|---:|---:|---:|']
+  for name, v in result['variants'].items():
+    share = '-' if v['tree_step_share'] is None else f"{v['tree_step_share']:.1%}"
+    lines.append(f"| {name} | {v['median_s']:.3f} | {v['speedup']:.2f}x | {v['tau']:.3f} | "
+                 f'{share} |')
+  (out / 'README.md').write_text('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+  app.run(main)
