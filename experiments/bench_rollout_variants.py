@@ -6,7 +6,7 @@
 Where the main job's audited 0.75x comes from: the trainer's own `Rollouts` (engine, gate,
 driver at the run's prompt width) are built for vanilla and for each drafting variant
 (heads alone, heads + Reflex, heads + group drafts, heads + group drafts + Reflex: the
-default), on the config's first batch of prompts with the trained policy it starts from and
+default; and the engine held to one node per row without its gate), on the config's first batch of prompts with the trained policy it starts from and
 the heads in --heads_dir (a run's warm start). Each variant's gate is priced once on that
 batch; then every variant is timed --repeats times, in alternation, in this process, and
 the ratio of medians to vanilla is reported with tau and the share of tree steps.
@@ -31,12 +31,16 @@ _HEADS = flags.DEFINE_string('heads_dir', 'workdir/tiny_math/heads', 'Warm-start
 _OUT = flags.DEFINE_string('out_dir', 'results/rollout_variants', 'Where results go.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per variant.')
 
-# name: (rollout.engine, rollout.proposers, adaptation.mode)
-VARIANTS = {'vanilla': ('vanilla', 'heads', 'static'),
-            'heads': ('specroll', 'heads', 'static'),
-            'heads+reflex': ('specroll', 'heads', 'reflex'),
-            'heads+group': ('specroll', 'heads,group', 'static'),
-            'heads+group+reflex': ('specroll', 'heads,group', 'both')}
+# name: (rollout.engine, rollout.proposers, adaptation.mode, rollout overrides). The
+# one-node variant is the speculative engine with a budget of one node per row and no gate:
+# it runs the vanilla step inside the speculative engine's driver and loop.
+VARIANTS = {'vanilla': ('vanilla', 'heads', 'static', {}),
+            'one node, no gate': ('specroll', 'heads', 'static',
+                                  {'speculation_gate': False, 'capacity_tokens': 1}),
+            'heads': ('specroll', 'heads', 'static', {}),
+            'heads+reflex': ('specroll', 'heads', 'reflex', {}),
+            'heads+group': ('specroll', 'heads,group', 'static', {}),
+            'heads+group+reflex': ('specroll', 'heads,group', 'both', {})}
 
 
 def main(argv):
@@ -49,11 +53,12 @@ def main(argv):
   heads_config, heads = load_heads(_HEADS.value, policy.config)
   runs = {}
   with tempfile.TemporaryDirectory() as prices:
-    for name, (engine, proposers, mode) in VARIANTS.items():
+    for name, (engine, proposers, mode, overrides) in VARIANTS.items():
       c = base.copy_and_resolve_references()
       c.rollout.engine, c.rollout.proposers, c.adaptation.mode = engine, proposers, mode
+      c.rollout.update(overrides)
       rollouts = Rollouts(policy, c, heads_config, Path(_HEADS.value),
-                          run_prompt_width(task_prompts), Path(prices) / f'{name}.json')
+                          run_prompt_width(task_prompts), Path(prices) / f'{len(runs)}.json')
       rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
       runs[name] = rollouts
   times = {name: [] for name in runs}
@@ -71,7 +76,9 @@ def main(argv):
                                 'speedup': vanilla / statistics.median(t),
                                 'tau': summaries[name]['tau'],
                                 'tree_step_share': summaries[name].get('tree_step_share'),
-                                'tokens': summaries[name]['tokens']}
+                                'tokens': summaries[name]['tokens'],
+                                'tree_step_costs': getattr(runs[name].engine, 'tree_step_costs',
+                                                           None)}
                          for name, t in times.items()}}
   out = Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
