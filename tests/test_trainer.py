@@ -78,7 +78,10 @@ def test_specroll_and_vanilla_training_agree(tmp_path):
 
 
 # Kills land in the first phases of a step; each is checked to have landed where meant.
-KILLS = (('rollout', 2, 0.15), ('update', 2, 0.15), ('checkpoint', 3, 0.03))
+# The checkpoint kill waits for Orbax's temporary directory (the write has begun), then
+# comes within the ~0.1 s the write takes.
+KILLS = (('rollout', 2, 0.15), ('update', 2, 0.15), ('checkpoint', 3, 0.02))
+PARTIAL_CHECKPOINT = '*.orbax-checkpoint-tmp*'
 # Keys whose values are measurements of this run, not results of its computation.
 MEASURED = ('time_', 'rss_mib', 'live_array', 'compilations')
 
@@ -97,9 +100,13 @@ def _environment(cache):
           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
 
 
+def _partial_checkpoints(workdir):
+  return list((workdir / 'checkpoints').glob(PARTIAL_CHECKPOINT))
+
+
 def _kill_in_phase(workdir, env, phase, step, max_delay, rng):
-  """Runs the job until it logs `step N: phase`, then SIGKILLs it after a random delay;
-  returns the last phase it logged before dying."""
+  """Runs the job until it logs `step N: phase` (for a checkpoint: and its write has
+  begun), then SIGKILLs it after a random delay; returns the last phase it logged."""
   marker = re.compile(r'step (\d+): (\w[\w ]*)$')
   process = subprocess.Popen(_command(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
@@ -109,6 +116,10 @@ def _kill_in_phase(workdir, env, phase, step, max_delay, rng):
     if found:
       seen.append((int(found[1]), found[2]))
       if seen[-1] == (step, phase):
+        deadline = time.time() + 30
+        while phase == 'checkpoint' and not _partial_checkpoints(workdir) and (
+            time.time() < deadline):
+          time.sleep(0.001)
         time.sleep(rng.uniform(0.0, max_delay))
         process.send_signal(signal.SIGKILL)
         break
@@ -136,8 +147,7 @@ def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
   for phase, step, max_delay in KILLS:
     assert _kill_in_phase(killed, env, phase, step, max_delay, rng) == (step, phase)
     if phase == 'checkpoint':
-      partial = list((killed / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))
-      assert partial, 'the kill came after the checkpoint write had finished'
+      assert _partial_checkpoints(killed), 'the kill missed the checkpoint write'
   subprocess.run(_command(killed), cwd=REPO, env=env, check=True, capture_output=True)
   drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
   assert drop(_metrics(killed)) == drop(_metrics(straight))
