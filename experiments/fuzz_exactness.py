@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.model.config import ModelConfig, RopeConfig
+from specroll_jax.model.policy import Policy
 from specroll_jax.model.transformer import Transformer, causal_mask
+from experiments.workloads import oracle_engine_params
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -39,7 +41,7 @@ from specroll_jax.spec.engine import SpecEngine
 from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.spec.oracle_proposer import OracleProposer
 from specroll_jax.spec.tree import TreeConfig
 
 PROPOSERS = ('heads', 'reflex', 'group', 'oracle')
@@ -113,8 +115,8 @@ def _forward_and_project(model: Transformer, tokens, positions, mask):
   return model.project(hidden)
 
 
-def random_policy(case: Case):
-  """(config, params) of a random Llama; the final norm's scale sets how peaked it is."""
+def random_policy(case: Case) -> Policy:
+  """A random Llama (no tokenizer); the final norm's scale sets how peaked it is."""
   heads, kv_heads = case.attention
   config = ModelConfig(
       architecture='LlamaForCausalLM', vocab_size=case.vocab_size,
@@ -127,7 +129,8 @@ def random_policy(case: Case):
   params = Transformer(config).init(jax.random.key(case.model_seed), tokens,
                                     jnp.arange(2)[None], causal_mask(jnp.ones((1, 2), bool)),
                                     method=_forward_and_project)['params']
-  return config, dict(params, norm={'weight': params['norm']['weight'] * case.peak})
+  return Policy(config=config, tokenizer=None,
+                params=dict(params, norm={'weight': params['norm']['weight'] * case.peak}))
 
 
 def _heads(case: Case, config: ModelConfig, heads_config: HeadsConfig):
@@ -152,34 +155,31 @@ class Outcome:
 def run_case(case: Case) -> Outcome:
   """Vanilla and SpecRoll on one case, and how their responses compare."""
   start = time.perf_counter()
-  config, params = random_policy(case)
+  policy = random_policy(case)
+  config = policy.config
   sampler, eos = case.sampler, () if case.eos < 0 else (case.eos,)
   rollout = RolloutConfig(max_new_tokens=case.max_new_tokens, max_batch=case.max_batch)
   prompts = [list(p) for p in case.prompts]
   vanilla = Driver(VanillaEngine(config, sampler, eos), rollout).generate(
-      params, prompts, case.num_samples, case.seed)
+      policy.params, prompts, case.num_samples, case.seed)
   heads_config = HeadsConfig(num_heads=len(case.branching))
   heads = _heads(case, config, heads_config)
   proposer = HeadProposer(config, heads_config, HeadDraftConfig(case.branching), sampler)
-  proposer_params = heads
   if case.proposer in ('reflex', 'group'):
     proposer = ReflexProposer(proposer, OPEN_REFLEX)
   if case.proposer == 'group':
     proposer = GroupProposer(GROUP, base=proposer)
   if case.proposer == 'oracle':
-    future = np.zeros((len(vanilla), case.max_new_tokens), np.int32)
-    for i, r in enumerate(vanilla):
-      future[i, :len(r.token_ids)] = r.token_ids
-    proposer, proposer_params = OracleProposer(proposer), OracleParams(heads, jnp.asarray(future))
+    proposer = OracleProposer(proposer)
   engine = SpecEngine(config, proposer, TreeConfig(max_nodes=case.max_nodes,
                                                    capacity_tokens=case.capacity_tokens),
                       sampler, eos)
-  spec = Driver(engine, rollout).generate(engine.params(params, proposer_params), prompts,
-                                          case.num_samples, case.seed)
+  params = (oracle_engine_params(engine, policy, heads, vanilla, case.max_new_tokens)
+            if case.proposer == 'oracle' else engine.params(policy.params, heads))
+  spec = Driver(engine, rollout).generate(params, prompts, case.num_samples, case.seed)
   width = MAX_PROMPT + case.max_new_tokens
-  margins = [divergence_margin(config, params, sampler, width, prompts[s.prompt_index],
-                               s.token_ids, v.token_ids, case.seed,
-                               s.prompt_index * case.num_samples + s.sample_index)
+  margins = [divergence_margin(policy.config, policy.params, sampler, width, prompts, s, v,
+                               case.seed, case.num_samples)
              for s, v in zip(spec, vanilla) if list(s.token_ids) != list(v.token_ids)]
   # Greedy has no near-tie allowance: every difference is a break.
   near_ties = sum(m < NEAR_TIE_MARGIN for m in margins) if not sampler.greedy else 0

@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.workloads import story_openings
+from experiments.workloads import oracle_engine_params, story_openings
 from specroll_jax import load_policy
 from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
@@ -32,7 +31,7 @@ from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.engine import SpecEngine
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.spec.oracle_proposer import OracleProposer
 from specroll_jax.spec.tree import TreeConfig
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
@@ -84,12 +83,9 @@ def measure(mode: str, prompts) -> dict:
     heads = init_heads(HEADS, policy.config, seed=1)
     tree = TreeConfig(max_nodes=16, capacity_tokens=512)
     base = HeadProposer(policy.config, HEADS, HeadDraftConfig((4, 2, 2, 2)), sampler)
-    future = np.zeros((len(wide), _TOKENS.value), np.int32)
-    for i, r in enumerate(wide):
-      future[i, :len(r.token_ids)] = r.token_ids
     oracle = SpecEngine(policy.config, OracleProposer(base), tree, sampler, ())
-    with_oracle = run(oracle, 64, oracle.params(policy.params,
-                                                OracleParams(heads, jnp.asarray(future))))
+    with_oracle = run(oracle, 64, oracle_engine_params(oracle, policy, heads, wide,
+                                                       _TOKENS.value))
     with_heads_engine = SpecEngine(policy.config, base, tree, sampler, ())
     with_heads = run(with_heads_engine, 64, with_heads_engine.params(policy.params, heads))
     tau = lambda rs: sum(len(r.token_ids) for r in rs) / sum(r.steps for r in rs)

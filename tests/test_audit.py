@@ -2,7 +2,7 @@
 as a float near-tie or a break of the randomness contract."""
 import dataclasses
 
-from specroll_jax.rl.audit import NEAR_TIE_MARGIN, Audit, AuditConfig
+from specroll_jax.rl.audit import NEAR_TIE_MARGIN, Audit, AuditConfig, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import make_engine
@@ -25,5 +25,6 @@ def test_audit_counts_identical_responses_and_flags_a_contract_break(stories_pol
   broken = [responses[0], dataclasses.replace(responses[1], token_ids=tokens), *responses[2:]]
   result = audit(policy.params, prompts, 3, broken, rollout_seconds=1.0)
   assert (result['audit_identical'], result['audit_near_ties'], result['audit_mismatches']) == (3, 0, 1)
-  margin = audit._margin(policy.params, prompts, 3, broken[1], responses[1])
+  margin = divergence_margin(policy.config, policy.params, sampler, audit.width, prompts,
+                             broken[1], responses[1], 3, 2)
   assert margin >= NEAR_TIE_MARGIN, margin

@@ -76,8 +76,9 @@ class Audit:
       start = time.perf_counter()
       reference = self.driver.generate(params, prompts, self.group_size, seed)
       seconds = time.perf_counter() - start
-      margins = [self._margin(policy_params, prompts, seed, r, v)
-                 for r, v in zip(responses, reference) if list(r.token_ids) != list(v.token_ids)]
+    margins = [divergence_margin(self.policy_config, policy_params, self.sampler, self.width,
+                                 prompts, r, v, seed, self.group_size)
+               for r, v in zip(responses, reference) if list(r.token_ids) != list(v.token_ids)]
     near_ties = sum(m < NEAR_TIE_MARGIN for m in margins)
     if near_ties < len(margins):
       logging.error('audit: %d of %d responses differ from vanilla with draw margins %s '
@@ -92,26 +93,21 @@ class Audit:
             'audit_speedup': seconds / rollout_seconds,
             'audit_vanilla_compilations': compiled()}
 
-  def _margin(self, policy_params, prompts, seed: int, response, reference) -> float:
-    row = response.prompt_index * self.group_size + response.sample_index
-    return divergence_margin(self.policy_config, policy_params, self.sampler, self.width,
-                             prompts[response.prompt_index], response.token_ids,
-                             reference.token_ids, seed, row)
 
-
-def divergence_margin(config: ModelConfig, params, sampler: SamplerConfig, width: int, prompt,
-                      ours, theirs, seed: int, row: int) -> float:
-  """The draw margin at the first token where response `ours` and vanilla's `theirs` (row
-  `row` of a rollout seeded `seed`) differ, from the policy's full-sequence forward over
-  their shared prefix padded to `width` tokens; inf where one is a strict prefix of the
-  other, which no draw explains."""
-  ours, theirs = list(ours), list(theirs)
+def divergence_margin(config: ModelConfig, params, sampler: SamplerConfig, width: int, prompts,
+                      response, reference, seed: int, num_samples: int) -> float:
+  """The draw margin at the first token where `response` and vanilla's `reference` (the
+  same row of a rollout of `prompts` x `num_samples` seeded `seed`) differ, from the
+  policy's full-sequence forward over their shared prefix padded to `width` tokens; inf
+  where one is a strict prefix of the other, which no draw explains."""
+  ours, theirs = list(response.token_ids), list(reference.token_ids)
   first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
   if first is None:
     return float('inf')
-  prefix = list(prompt) + theirs[:first]
+  prefix = list(prompts[response.prompt_index]) + theirs[:first]
   tokens = np.zeros((1, width), np.int32)
   tokens[0, :len(prefix)] = prefix
   weights = _weights_at(config, params, jnp.asarray(tokens), sampler, len(prefix))
+  row = response.prompt_index * num_samples + response.sample_index  # the driver's order
   key = token_keys(jax.random.key(seed), jnp.int32(row), jnp.int32(len(prefix)))
   return draw_margin(weights, key, ours[first], theirs[first], sampler.greedy)
