@@ -13,6 +13,7 @@ import ml_collections
 from specroll_jax.adapt.consolidation import ConsolidationConfig
 from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
+from specroll_jax.model.mesh import MeshConfig
 from specroll_jax.rl.audit import AuditConfig
 from specroll_jax.rl.grpo import GRPOConfig
 from specroll_jax.rl.sections import section
@@ -50,6 +51,9 @@ def get_config():
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig)))
+  # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
+  # fsdp x tensor; -1 = every device the other axes leave.
+  c.mesh = section(MeshConfig)
   c.metrics = ml_collections.ConfigDict(dict(drift_kl=False))
   # Every 5th step vanilla replays the rollout: identical responses and the measured
   # speedup go into metrics.jsonl and report.md.

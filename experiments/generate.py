@@ -14,7 +14,7 @@ from tqdm import tqdm
 from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
 from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
-from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
+from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
@@ -54,6 +54,7 @@ flags.DEFINE_bool('speculation_gate', True,
                   'its cost, measured on these prompts before generating (spec/gate.py).')
 flags.DEFINE_integer('max_batch', 64, 'Largest compiled batch bucket.')
 flags.DEFINE_integer('mesh_data', 1, 'Devices on the data axis (-1: all).')
+flags.DEFINE_integer('mesh_tensor', 1, 'Devices on the tensor axis (weights split Megatron-style).')
 flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Parameter dtype.')
 flags.DEFINE_string('out', None, 'Output JSONL path.')
 flags.mark_flags_as_required(['prompts', 'out'])
@@ -65,7 +66,8 @@ def main(argv):
   policy = load_policy(FLAGS.checkpoint, dtype=FLAGS.dtype)
   texts = read_prompts(Path(FLAGS.prompts))
   prompts = [policy.prompt_ids(t, FLAGS.chat_template) for t in texts]
-  mesh = make_mesh(MeshConfig(data=FLAGS.mesh_data)) if FLAGS.mesh_data != 1 else None
+  mesh = (make_mesh(MeshConfig(data=FLAGS.mesh_data, tensor=FLAGS.mesh_tensor))
+          if (FLAGS.mesh_data, FLAGS.mesh_tensor) != (1, 1) else None)
   sampler = SamplerConfig(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
   if mesh:
     policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
@@ -82,14 +84,13 @@ def main(argv):
                                HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
     proposer = with_group_drafts(proposer, names, GroupDraftConfig())
     tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
-  rows = data_size(mesh) if mesh else 1
   engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,
                        tree_attention=FLAGS.tree_attention)
   params = engine.params(policy.params, heads)
   rollout = RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch)
   if FLAGS.engine == 'specroll' and FLAGS.speculation_gate:
-    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples, rows)
-  driver = Driver(engine, rollout, data_size=rows)
+    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples)
+  driver = Driver(engine, rollout)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)
   out = Path(FLAGS.out)

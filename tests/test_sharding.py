@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from specroll_jax.model.mesh import MeshConfig, data_size, make_mesh, shard_params
+from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
@@ -13,14 +13,13 @@ PROMPTS = ['Once upon a time', 'The cat sat', 'Lily and Tom went to the park', '
 def _rollout(policy, mesh):
   sampler = SamplerConfig(temperature=1.0, top_p=0.95)
   engine = VanillaEngine(policy.config, sampler, (2,), mesh=mesh)
-  driver = Driver(engine, RolloutConfig(max_new_tokens=20, max_batch=16),
-                  data_size=data_size(mesh) if mesh else 1)
+  driver = Driver(engine, RolloutConfig(max_new_tokens=20, max_batch=16))
   params = shard_params(mesh, policy.params) if mesh else policy.params
   prompts = [policy.tokenizer.encode(p) for p in PROMPTS]
   return [(o.token_ids, o.finish_reason) for o in driver.generate(params, prompts, 3, seed=5)]
 
 
-@pytest.mark.parametrize('mesh_config', [MeshConfig(data=8), MeshConfig(data=4, model=2)])
+@pytest.mark.parametrize('mesh_config', [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)])
 def test_sharded_rollout_equals_unsharded(stories_policy, mesh_config):
   assert jax.device_count() == 8
   assert _rollout(stories_policy, make_mesh(mesh_config)) == _rollout(stories_policy, None)

@@ -23,7 +23,9 @@ SMALL = {'steps': 3, 'checkpoint_every': 1, 'policy.checkpoint': str(STORIES), '
          'rollout.group_size': 4, 'rollout.max_new_tokens': 20, 'rollout.max_batch': 16,
          'rollout.capacity_tokens': 64, 'grpo.micro_batch_size': 8, 'grpo.weight_decay': 0.5,
          'grpo.learning_rate': 1e-2, 'task.count': 64, 'heads.num_sequences': 16,
-         'heads.held_out': 4, 'heads.steps': 5, 'audit.every': 0}
+         'heads.held_out': 4, 'heads.steps': 5, 'audit.every': 0,
+         # One device, as a one-CPU machine runs it (the suite forces 8 host devices).
+         'mesh.data': 1}
 
 
 def _config(**extra):

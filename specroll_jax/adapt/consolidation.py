@@ -15,6 +15,7 @@ import optax
 
 from specroll_jax.adapt import distill
 from specroll_jax.adapt.distill import DistillConfig
+from specroll_jax.model.mesh import to_host
 from specroll_jax.spec.heads import HeadsConfig
 from specroll_jax.spec.pairs import HeadPairs
 
@@ -115,9 +116,8 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
   mask = jnp.asarray(heads_mask, jnp.float32)
   trained, loss = _train(heads_config, model_config, config, head_params, policy_params, train,
                          mask, jnp.asarray(order))
-  before = np.asarray(held_out_kl(heads_config, model_config, head_params, policy_params,
-                                  held_out))
-  after = np.asarray(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
+  before = to_host(held_out_kl(heads_config, model_config, head_params, policy_params, held_out))
+  after = to_host(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
   kept = heads_mask & np.isfinite(after) & ((after < before) | (not rollback))
   keep = jnp.asarray(kept, jnp.float32)
   params = jax.tree.map(lambda new, old: jnp.where(

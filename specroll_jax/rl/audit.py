@@ -52,10 +52,10 @@ class Audit:
   """The vanilla side of the audit, compiled at the run's one prompt width."""
 
   def __init__(self, policy: Policy, config: AuditConfig, sampler: SamplerConfig,
-               rollout: RolloutConfig, group_size: int):
+               rollout: RolloutConfig, group_size: int, mesh=None):
     self.config, self.sampler, self.group_size = config, sampler, group_size
     self.policy_config = policy.config
-    self.engine = make_engine(policy, 'vanilla', sampler)
+    self.engine = make_engine(policy, 'vanilla', sampler, mesh=mesh)
     self.driver = Driver(self.engine, rollout)
     self.width = rollout.prompt_bucket_min + rollout.max_new_tokens
     self.warm = False

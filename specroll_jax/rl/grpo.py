@@ -20,9 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specroll_jax.model.config import ModelConfig
+from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.rl import lora
 from specroll_jax.spec.pairs import HeadPairs, top_targets
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
@@ -53,6 +56,15 @@ class GRPOConfig:
   # one update per batch, as train_step does), not the rollout engine's log-probs, so
   # training does not depend on the engine's float32 rounding (1e-5, shape dependent).
   learner_old_logprobs: bool = True
+  # LoRA (rl/lora.py): rank 0 trains every parameter; rank r > 0 trains only adapters on
+  # the kernels of the comma-separated module names in lora_targets.
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: str = lora.DEFAULT_TARGETS
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank
 
   def __post_init__(self):
     if self.group_size < 1:
@@ -80,6 +92,10 @@ class GRPOConfig:
       raise ValueError(f'advantage_eps must be > 0, got {self.advantage_eps}')
     if self.harvest_top_k < 0:
       raise ValueError(f'harvest_top_k must be >= 0, got {self.harvest_top_k}')
+    if self.lora_rank < 0:
+      raise ValueError(f'lora_rank must be >= 0, got {self.lora_rank}')
+    if self.lora_rank and not lora.target_names(self.lora_targets):
+      raise ValueError(f'lora_targets names no module: {self.lora_targets!r}')
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> jax.Array:
@@ -237,12 +253,19 @@ def grpo_loss(model_config: ModelConfig, config: GRPOConfig, params, batch: Roll
   return loss, metrics
 
 
+def policy_params(config: GRPOConfig, trained, base=None):
+  """The policy's parameters from what the optimizer trains: the parameters themselves,
+  or (LoRA) the adapters merged into the frozen `base`."""
+  return trained if base is None else lora.merge(base, trained, config.lora_scale)
+
+
 def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch: RolloutBatch,
-                    weights=None):
+                    weights=None, base=None):
   if weights is None:
     weights = loss_weights(config.loss_aggregation, batch.response_mask)
-  logprobs, entropy, pairs = _scored_forward(model_config, params, batch.tokens,
-                                             config.temperature, config.harvest_top_k)
+  logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
+                                             batch.tokens, config.temperature,
+                                             config.harvest_top_k)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))
@@ -252,13 +275,16 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
 
 
 def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
-                          batch: RolloutBatch):
+                          batch: RolloutBatch, base=None, mesh=None):
   """Full-batch (gradient, metrics) from fixed-size micro-batches under lax.scan.
 
   Only one micro-batch's activations are live at a time, and every micro-batch has the
   same shapes, so one compilation serves any number of them. Gradients are summed in
   float32 and returned in the parameters' dtype. Returns (grads, metrics, pairs): pairs is
   the slow path's HeadPairs over all rows when config.harvest_top_k > 0, else None.
+  `params` are what is trained: the policy, or LoRA adapters on the frozen `base`. With a
+  mesh, each micro-batch's rows are split over the mesh's row axes (without the constraint
+  a micro-batch would sit on the devices that held its rows of the whole batch).
   """
   rows = batch.tokens.shape[0]
   size = config.micro_batch_size
@@ -268,13 +294,18 @@ def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
   weights = loss_weights(config.loss_aggregation, batch.response_mask)
   chunks = jax.tree.map(lambda x: x.reshape(rows // size, size, *x.shape[1:]),
                         (batch, weights))
-  grad_fn = jax.grad(partial(_loss_and_pairs, model_config, config), has_aux=True)
+  if mesh is not None:
+    chunks = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P(None, ROWS))), chunks)
+  grad_fn = jax.grad(partial(_loss_and_pairs, model_config, config, base=base), has_aux=True)
 
   def micro_step(total, chunk):
     grads, aux = grad_fn(params, *chunk)
     return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads), aux
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  if mesh is not None:
+    zeros = jax.lax.with_sharding_constraint(zeros, param_sharding(mesh, params))
   grads, (metrics, pairs) = jax.lax.scan(micro_step, zeros, chunks)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   pairs = jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), pairs)
@@ -286,11 +317,14 @@ def make_optimizer(config: GRPOConfig) -> optax.GradientTransformation:
                      optax.adamw(config.learning_rate, weight_decay=config.weight_decay))
 
 
-@partial(jax.jit, static_argnums=(0, 1))
+@partial(jax.jit, static_argnums=(0, 1), static_argnames=('mesh',))
 def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
-               batch: RolloutBatch):
-  """One AdamW update of the policy params on the whole batch.
+               batch: RolloutBatch, base=None, mesh=None):
+  """One AdamW update of the trained params (the policy, or LoRA adapters on the frozen
+  `base`) on the whole batch.
 
+  With a mesh, the updated params and optimizer state keep the partition rules'
+  shardings (model/mesh.py).
   opt_state comes from `make_optimizer(config).init(params)`. Returns (params, opt_state,
   metrics, pairs); metrics['grad_norm'] is the global norm before clipping; pairs are the
   head-training pairs of `accumulated_gradients` (None unless config.harvest_top_k > 0).
@@ -298,11 +332,18 @@ def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
   every parameter through Adam's moments, so that update is rolled back: the params and
   optimizer state come back unchanged and metrics['update_skipped'] is 1.
   """
-  grads, metrics, pairs = accumulated_gradients(model_config, config, params, batch)
+  grads, metrics, pairs = accumulated_gradients(model_config, config, params, batch, base, mesh)
   metrics['grad_norm'] = optax.tree.norm(grads)
-  updates, new_opt_state = make_optimizer(config).update(grads, opt_state, params)
+  optimizer = make_optimizer(config)
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
   finite = jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
   metrics['update_skipped'] = (~finite).astype(jnp.float32)
-  return (keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state),
-          metrics, pairs)
+  new_params, new_opt_state = (keep(optax.apply_updates(params, updates), params),
+                               keep(new_opt_state, opt_state))
+  if mesh is not None:
+    shardings = param_sharding(mesh, params)
+    new_params = jax.lax.with_sharding_constraint(new_params, shardings)
+    new_opt_state = jax.lax.with_sharding_constraint(
+        new_opt_state, optimizer_sharding(mesh, optimizer, new_opt_state, shardings))
+  return new_params, new_opt_state, metrics, pairs

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import struct
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from specroll_jax.adapt import consolidation, monitor
@@ -29,8 +30,10 @@ from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
+from specroll_jax.model.mesh import (MeshConfig, head_sharding, make_mesh, optimizer_sharding,
+                                     param_sharding, put_rows, to_host)
 from specroll_jax.model.policy import Policy, load_policy
-from specroll_jax.rl import grpo
+from specroll_jax.rl import distributed, grpo, lora, memory
 from specroll_jax.rl.audit import Audit, AuditConfig
 from specroll_jax.rl.report import write_report
 from specroll_jax.rl.resources import process_memory
@@ -66,11 +69,12 @@ class HeadsState:
 @struct.dataclass
 class TrainState:
   """Everything a run resumes from (one Orbax checkpoint per saved step)."""
-  policy: dict
-  opt_state: Any
+  policy: dict               # with LoRA, the frozen base
+  opt_state: Any             # of the policy, or of the adapters
   step: int
   data_position: int         # index of the next task in the (cycled) task list
   heads: HeadsState | None   # None when rollouts are vanilla
+  adapters: dict | None = None  # LoRA adapters (grpo.lora_rank > 0)
 
 
 def check_config(c) -> None:
@@ -92,6 +96,17 @@ def check_config(c) -> None:
   build(GateConfig, c.rollout.gate, 'rollout.gate')
   build(AuditConfig, c.audit, 'audit')
   sampler(c)
+  mesh = build(MeshConfig, c.mesh, 'mesh')
+  shape = dict(zip(('data', 'fsdp', 'tensor'), mesh.shape(jax.device_count())))
+  rows_split = shape['data'] * shape['fsdp']
+  for name, value in (('rollout.max_batch', c.rollout.max_batch),
+                      ('grpo.micro_batch_size', c.grpo.micro_batch_size)):
+    if value % rows_split:
+      raise ValueError(f'config {name}={value} must be a multiple of mesh data x fsdp = '
+                       f'{rows_split} (rows are split over both)')
+  if c.rollout.prompts_per_step % jax.process_count():
+    raise ValueError(f'config rollout.prompts_per_step={c.rollout.prompts_per_step} must be '
+                     f'a multiple of the {jax.process_count()} processes (each scores its share)')
 
 
 def step_seed(c, step: int) -> int:
@@ -116,7 +131,7 @@ class Rollouts:
   """
 
   def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None,
-               prompt_width: int, step_costs_path: Path | None = None):
+               prompt_width: int, mesh, step_costs_path: Path | None = None):
     r = c.rollout
     self.group_size = r.group_size
     self.step_costs_path = step_costs_path if r.engine == 'specroll' and r.speculation_gate else None
@@ -133,9 +148,10 @@ class Rollouts:
               self.proposer, build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex'))
       self.proposer = with_group_drafts(self.proposer, names,
                                         build(GroupDraftConfig, r.group, 'rollout.group'))
-      tree = tree_config(policy, max_nodes=r.max_nodes, capacity_tokens=r.capacity_tokens)
+      tree = distributed.agreed_tree_config(
+          lambda: tree_config(policy, max_nodes=r.max_nodes, capacity_tokens=r.capacity_tokens))
     self.engine = make_engine(policy, r.engine, sampler(c), proposer=self.proposer, tree=tree,
-                              tree_attention=r.tree_attention)
+                              mesh=mesh, tree_attention=r.tree_attention)
     if self.step_costs_path is not None:
       self.engine = dataclasses.replace(self.engine, gate_config=build(GateConfig, r.gate,
                                                                        'rollout.gate'))
@@ -160,11 +176,15 @@ class Rollouts:
                          'measure the tree-step costs again') from e
       self.engine = dataclasses.replace(self.engine, tree_step_costs=costs)
     else:
-      self.engine = with_measured_step_costs(self.engine, self.driver.config, params, prompts,
-                                             self.group_size)
-      tmp = path.with_name(path.name + '.tmp')
-      tmp.write_text(json.dumps(self.engine.tree_step_costs))
-      tmp.replace(path)
+      # Every process must run the same program: process 0's prices are everyone's.
+      measured = with_measured_step_costs(self.engine, self.driver.config, params, prompts,
+                                          self.group_size).tree_step_costs
+      self.engine = dataclasses.replace(self.engine,
+                                        tree_step_costs=distributed.agreed_costs(measured))
+      if distributed.is_primary():
+        tmp = path.with_name(path.name + '.tmp')
+        tmp.write_text(json.dumps(self.engine.tree_step_costs))
+        tmp.replace(path)
     self.driver = Driver(self.engine, self.driver.config)
 
 
@@ -264,10 +284,11 @@ def rollout_digest(responses) -> str:
 def drift_kl(model_config, initial_params, batch: grpo.RolloutBatch, temperature: float) -> float:
   """KL(pi_current || pi_initial) estimated on the rollout's own tokens (sampled from the
   current policy): the mean of log pi_current - log pi_initial over response tokens."""
-  initial = grpo.token_logprobs(model_config, initial_params, batch.tokens, temperature)
-  mask = np.asarray(batch.response_mask)
-  return float(np.sum(np.where(mask, np.asarray(batch.old_logprobs) - np.asarray(initial), 0.0))
-               / max(mask.sum(), 1))
+  current, initial, mask = to_host((
+      batch.old_logprobs,
+      grpo.token_logprobs(model_config, initial_params, batch.tokens, temperature),
+      batch.response_mask))
+  return float(np.sum(np.where(mask, current - initial, 0.0)) / max(mask.sum(), 1))
 
 
 def run_prompt_width(prompts: list[list[int]]) -> int:
@@ -298,12 +319,32 @@ def _phase(step: int, name: str) -> None:
   logging.info('step %d: %s', step, name)
 
 
+def _scored_shard(tasks, responses, tokenizer) -> np.ndarray:
+  """Rewards of every response, each process scoring its own block of the prompts (its
+  share of the answer checks), gathered so every process holds them all."""
+  prompts = max(r.prompt_index for r in responses) + 1
+  share = prompts // jax.process_count()
+  mine = range(jax.process_index() * share, (jax.process_index() + 1) * share)
+  scores = np.array([rewards.score(tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                                   tasks[r.prompt_index].answer, tasks[r.prompt_index].kind)
+                     for r in responses if r.prompt_index in mine], np.float32)
+  if jax.process_count() == 1:
+    return scores
+  return np.asarray(multihost_utils.process_allgather(scores)).reshape(-1)
+
+
 def train(c, workdir) -> dict:
-  """Runs (or resumes) GRPO per config `c` in `workdir`; returns the last step's metrics."""
+  """Runs (or resumes) GRPO per config `c` in `workdir`; returns the last step's metrics.
+
+  Every process of a multi-process run calls this with the same config and workdir (a
+  shared filesystem): process 0 writes metrics, the report and cached files, Orbax writes
+  the checkpoints from every process.
+  """
   check_config(c)
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  policy_dir = resolve_policy(c)
+  primary = distributed.is_primary()
+  policy_dir = distributed.primary_first('policy', lambda: resolve_policy(c))
   policy = load_policy(policy_dir, dtype=c.policy.dtype)
   tasks = load_tasks(c.task.source, count=c.task.count, seed=c.seed,
                      data_dir=c.task.data_dir or None, split=c.task.split or None,
@@ -315,34 +356,55 @@ def train(c, workdir) -> dict:
   heads_dir = heads_config = adaptation = None
   uses_heads = c.rollout.engine == 'specroll' and 'heads' in parse_proposers(c.rollout.proposers)
   if uses_heads:
-    heads_config, heads, heads_dir = warm_start_heads(policy, c, task_prompts, workdir,
-                                                      policy_dir)
+    heads_config, heads, heads_dir = distributed.primary_first(
+        'heads', lambda: warm_start_heads(policy, c, task_prompts, workdir, policy_dir))
+  mesh = make_mesh(build(MeshConfig, c.mesh, 'mesh'))
+  config = grpo_config(c, 0)
   prompt_width = run_prompt_width(task_prompts)
-  rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width,
+  width = prompt_width + c.rollout.max_new_tokens
+  report = memory.report(policy.config, memory.Workload.from_config(c, width, heads_config),
+                         dict(mesh.shape))
+  if primary:
+    print(report.table(), file=sys.stderr)
+  rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width, mesh,
                       workdir / STEP_COSTS_FILE)
   audit = Audit(policy, build(AuditConfig, c.audit, 'audit'), sampler(c),
-                rollouts.driver.config, c.rollout.group_size)
+                rollouts.driver.config, c.rollout.group_size, mesh)
   if uses_heads:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
   optimizer = grpo.make_optimizer(config)
-  state = TrainState(policy=policy.params, opt_state=optimizer.init(policy.params), step=0,
-                     data_position=0,
-                     heads=None if adaptation is None else adaptation.init_state(heads))
-  initial_policy = policy.params
-  reference = policy.params if config.kl_coef > 0 else None
+  # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
+  base = jax.device_put(policy.params, param_sharding(mesh, policy.params))
+  adapters = None
+  if config.lora_rank:
+    adapters = lora.init_adapters(policy.params, config.lora_rank, config.lora_targets, c.seed)
+    adapters = jax.device_put(adapters, param_sharding(mesh, adapters))
+  trained = base if adapters is None else adapters
+  opt_state = optimizer.init(trained)
+  opt_state = jax.device_put(opt_state, optimizer_sharding(mesh, optimizer, opt_state,
+                                                           param_sharding(mesh, trained)))
+  if uses_heads:
+    heads = jax.device_put(heads, head_sharding(mesh, heads))
+  state = TrainState(policy=base, opt_state=opt_state, step=0, data_position=0,
+                     heads=None if adaptation is None else adaptation.init_state(heads),
+                     adapters=adapters)
+  initial_policy = base
+  reference = base if config.kl_coef > 0 else None
   manager = ocp.CheckpointManager(
       (workdir / 'checkpoints').resolve(),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1))
   if manager.latest_step() is not None:
     state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
-    print(f'resumed from step {int(state.step)}', file=sys.stderr)
+    if primary:
+      print(f'resumed from step {int(state.step)}', file=sys.stderr)
   metrics_path = workdir / METRICS_FILE
-  _truncate_metrics(metrics_path, int(state.step))
-  width = prompt_width + c.rollout.max_new_tokens
+  if primary:
+    _truncate_metrics(metrics_path, int(state.step))
   per_step = c.rollout.prompts_per_step
   last = {}
-  with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr) as bar:
+  with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr,
+            disable=not primary) as bar:
     while int(state.step) < c.steps:
       step, position = int(state.step), int(state.data_position)
       indices = [(position + i) % len(tasks) for i in range(per_step)]
@@ -350,28 +412,30 @@ def train(c, workdir) -> dict:
       prompts = [task_prompts[i] for i in indices]
       times = {}
       compiled_before = compilations_so_far()
+      # Rollouts (and the audit, the heads' projection) run on the merged weights, merged
+      # once per step.
+      policy_params = (state.policy if state.adapters is None else
+                       lora.merge_jit(state.policy, state.adapters, config.lora_scale))
       _phase(step + 1, 'rollout')
       start = time.perf_counter()
-      responses = rollouts.generate(state.policy, state.heads and state.heads.params, prompts,
+      responses = rollouts.generate(policy_params, state.heads and state.heads.params, prompts,
                                     seed=step_seed(c, step))
       times['rollout'] = time.perf_counter() - start
       audited = {}
       if audit.due(step + 1):
         _phase(step + 1, 'audit')
         start = time.perf_counter()
-        audited = audit(state.policy, prompts, step_seed(c, step), responses, times['rollout'])
+        audited = audit(policy_params, prompts, step_seed(c, step), responses, times['rollout'])
         times['audit'] = time.perf_counter() - start
       start = time.perf_counter()
-      texts = [policy.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in responses]
-      scores = np.array([rewards.score(text, batch_tasks[r.prompt_index].answer,
-                                       batch_tasks[r.prompt_index].kind)
-                         for text, r in zip(texts, responses)], np.float32)
+      scores = _scored_shard(batch_tasks, responses, policy.tokenizer)
       times['reward'] = time.perf_counter() - start
       start = time.perf_counter()
       row_prompts = [prompts[r.prompt_index] for r in responses]
       batch = grpo.batch_from_rollouts(
           row_prompts, [r.token_ids for r in responses], [r.logprobs for r in responses],
           grpo.group_advantages(scores, config.group_size, config.advantage_eps), width)
+      batch = jax.tree.map(lambda x: put_rows(mesh, x), batch)
       if reference is not None:
         batch = batch.replace(ref_logprobs=grpo.token_logprobs(
             policy.config, reference, batch.tokens, config.temperature))
@@ -379,8 +443,15 @@ def train(c, workdir) -> dict:
       times['logprobs'] = time.perf_counter() - start
       _phase(step + 1, 'update')
       start = time.perf_counter()
-      params, opt_state, update, pairs = grpo.train_step(policy.config, config, state.policy,
-                                                         state.opt_state, batch)
+      if adapters is None:
+        params, opt_state, update, pairs = grpo.train_step(
+            policy.config, config, state.policy, state.opt_state, batch, mesh=mesh)
+        new_policy, new_adapters = params, None
+      else:
+        params, opt_state, update, pairs = grpo.train_step(
+            policy.config, config, state.adapters, state.opt_state, batch, state.policy,
+            mesh=mesh)
+        new_policy, new_adapters = state.policy, params
       jax.block_until_ready(params)
       times['update'] = time.perf_counter() - start
       if float(update['update_skipped']):
@@ -392,14 +463,15 @@ def train(c, workdir) -> dict:
       if adaptation is not None:
         _phase(step + 1, 'head update')
         # Pairs come from the pre-update policy's forward, so they are scored with it.
-        heads, adapted = adaptation.update(heads, state.policy, responses, pairs,
+        heads, adapted = adaptation.update(heads, policy_params, responses, pairs,
                                            [len(p) for p in row_prompts], seed=step_seed(c, step))
         jax.block_until_ready(heads)
       times['head_update'] = time.perf_counter() - start
       if c.metrics.drift_kl:
         adapted['drift_kl'] = drift_kl(policy.config, initial_policy, batch, config.temperature)
-      state = TrainState(policy=params, opt_state=opt_state, step=step + 1,
-                         data_position=(position + per_step) % len(tasks), heads=heads)
+      state = TrainState(policy=new_policy, opt_state=opt_state, step=step + 1,
+                         data_position=(position + per_step) % len(tasks), heads=heads,
+                         adapters=new_adapters)
       summary = rollouts.engine.summarize(responses)
       last = {'step': step + 1, 'reward': float(scores.mean()),
               'accuracy': float((scores == 1.0).mean()),
@@ -412,15 +484,17 @@ def train(c, workdir) -> dict:
               **{k: float(v) for k, v in update.items()},
               **{f'time_{k}': v for k, v in times.items()},
               'compilations': compilations_so_far() - compiled_before, **process_memory()}
-      with metrics_path.open('a') as f:
-        f.write(json.dumps(last) + '\n')
+      if primary:
+        with metrics_path.open('a') as f:
+          f.write(json.dumps(last) + '\n')
       if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps:
         _phase(step + 1, 'checkpoint')
         manager.save(step + 1, args=ocp.args.StandardSave(state))
       bar.update(1)
       bar.set_postfix(reward=f"{last['reward']:.2f}", tau=f"{last['tau']:.2f}")
   manager.wait_until_finished()
-  # Whole passes over the task list, so both windows hold the same prompts when it cycles.
-  steps_per_pass = -(-len(tasks) // per_step)
-  write_report(workdir, window=max(1, min(steps_per_pass, c.steps // 4)))
+  if primary:
+    # Whole passes over the task list, so both windows hold the same prompts when it cycles.
+    steps_per_pass = -(-len(tasks) // per_step)
+    write_report(workdir, window=max(1, min(steps_per_pass, c.steps // 4)))
   return last

@@ -8,11 +8,12 @@ def pow2_at_least(n: int, minimum: int) -> int:
   return size
 
 
-def batch_buckets(max_batch: int, data_size: int) -> list[int]:
-  """Smallest first; every bucket is a multiple of the data axis so rows shard evenly."""
-  if max_batch % data_size:
-    raise ValueError(f'max_batch={max_batch} must be a multiple of the data axis ({data_size})')
-  buckets, size = [], data_size
+def batch_buckets(max_batch: int, row_shards: int) -> list[int]:
+  """Smallest first; every bucket is a multiple of the mesh's row shards so rows split evenly."""
+  if max_batch % row_shards:
+    raise ValueError(f'max_batch={max_batch} must be a multiple of the mesh\'s row shards '
+                     f'(data x fsdp = {row_shards})')
+  buckets, size = [], row_shards
   while size < max_batch:
     buckets.append(size)
     size *= 2

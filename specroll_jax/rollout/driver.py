@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax.model.mesh import constrain_rows
+from specroll_jax.model.mesh import constrain_rows, put_rows, row_shards, to_host
 from specroll_jax.rollout.buckets import batch_buckets, sequence_width
 from specroll_jax.rollout.response import FINISH_EOS, FINISH_LENGTH, Response
 from specroll_jax.rollout.sequences import Sequences
@@ -20,7 +20,7 @@ from specroll_jax.rollout.sequences import Sequences
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Shape policy of a rollout. Batch buckets are data_size * 2^k up to max_batch.
+  """Shape policy of a rollout. Batch buckets are row_shards * 2^k up to max_batch.
 
   Prompt widths are `buckets.prompt_bucket`s: powers of two by default, because a training
   run's prompt lengths change from call to call and every width compiles the whole decode
@@ -38,12 +38,17 @@ def take_rows(tree, rows: jax.Array):
 
 
 class Driver:
-  """Runs a list of prompts x num_samples through an engine, bucket by bucket."""
+  """Runs a list of prompts x num_samples through an engine, bucket by bucket.
 
-  def __init__(self, engine, config: RolloutConfig, data_size: int = 1):
+  With a mesh, rows are split over its row axes; across processes every process runs this
+  same host program on the same prompts (its decisions read gathered copies of `done`),
+  and each transfers only its own devices' rows.
+  """
+
+  def __init__(self, engine, config: RolloutConfig):
     self.engine = engine
     self.config = config
-    self.buckets = batch_buckets(config.max_batch, data_size)
+    self.buckets = batch_buckets(config.max_batch, row_shards(engine.mesh))
     self._take_rows = jax.jit(partial(constrain_then_take, engine.mesh))
 
   def generate(self, params, prompts: list[list[int]], num_samples: int, seed: int,
@@ -100,10 +105,11 @@ class Driver:
       lengths[i] = len(prompt)
       response_ids[i] = r
     padding = np.arange(batch) >= len(chunk)
-    seqs = Sequences.empty(jnp.asarray(response_ids), jnp.asarray(lengths),
-                           jnp.full((batch,), self.config.max_new_tokens, jnp.int32),
-                           self.config.max_new_tokens, jnp.asarray(padding))
-    state = self.engine.start(params, jnp.asarray(tokens), seqs, cache_length)
+    put = lambda array: put_rows(self.engine.mesh, array)
+    seqs = Sequences.empty(put(response_ids), put(lengths),
+                           put(np.full((batch,), self.config.max_new_tokens, np.int32)),
+                           self.config.max_new_tokens, put(padding))
+    state = self.engine.start(params, put(tokens), seqs, cache_length)
     return state, np.where(padding, -1, np.arange(batch) + chunk[0])
 
   def _run_chunk(self, params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
@@ -115,7 +121,7 @@ class Driver:
       smaller = [b for b in self.buckets if b < batch]
       stop_at = smaller[-1] if smaller else 0
       state = self.engine.run(params, state, seed_key, jnp.int32(stop_at))
-      done = np.asarray(state.seqs.done)
+      done = to_host(state.seqs.done)
       self._collect(state, done & (row_of_slot >= 0), row_of_slot, num_samples, results,
                     progress)
       row_of_slot = np.where(done, -1, row_of_slot)
@@ -126,7 +132,7 @@ class Driver:
       # compiled shapes are then one gather per bucket, whatever order rows finish in.
       batch = stop_at
       keep = np.concatenate([running, np.flatnonzero(row_of_slot < 0)])[:batch]
-      state = self._take_rows(state, jnp.asarray(keep, jnp.int32))
+      state = self._take_rows(state, np.asarray(keep, np.int32))
       row_of_slot = row_of_slot[keep]
 
   def _collect(self, state, finished, row_of_slot, num_samples, results, progress):
@@ -134,7 +140,7 @@ class Driver:
     if not len(slots):
       return
     seqs = state.seqs
-    tokens, logprobs, counts, eos, steps, stats = jax.device_get(
+    tokens, logprobs, counts, eos, steps, stats = to_host(
         (seqs.tokens, seqs.logprobs, seqs.num_generated, seqs.hit_eos, seqs.steps,
          self.engine.row_stats(state)))
     row = lambda slot: jax.tree.map(lambda x: x[slot], stats)

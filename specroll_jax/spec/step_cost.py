@@ -71,10 +71,10 @@ def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 
 
 
 def with_measured_step_costs(engine, rollout_config, params, prompts, num_samples: int,
-                             data_size: int = 1, repeats: int = 5):
+                             repeats: int = 5):
   """`engine` with its gate priced on this workload: the tree-step costs measured on the
   first state a Driver(engine, rollout_config) would run for `prompts` x `num_samples`."""
-  driver = Driver(engine, rollout_config, data_size)
+  driver = Driver(engine, rollout_config)
   state = driver.first_state(params, prompts, num_samples)
   costs = measure_step_costs(engine, params, state, jax.random.key(0), driver.buckets, repeats)
   return dataclasses.replace(engine, tree_step_costs=costs)
