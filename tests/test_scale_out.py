@@ -1,0 +1,144 @@
+"""GRPO on one (data, fsdp, tensor) mesh equals GRPO on one device; two processes
+(jax.distributed over gloo, 4 host devices each) equal one process with 8, also after
+both are killed and resumed; LoRA's first rollout is the base policy's."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from specroll_jax import load_policy
+from specroll_jax.rl.trainer import STEP_COSTS_FILE, train
+from specroll_jax.tasks.default_policy import ensure_default_policy
+from tests.conftest import REPO
+from tests.test_trainer import SMALL, _config, _metrics
+
+# The committed W1 policy answers some of these tasks, so advantages (and gradients) are
+# not zero; a small learning rate keeps step 2's rollout on the tokens of step 1's params.
+SCALE = {'policy.checkpoint': '', 'rollout.max_new_tokens': 40, 'steps': 2,
+         'grpo.learning_rate': 1e-4, 'grpo.weight_decay': 0.0}
+SHARDED = {'mesh.data': 1, 'mesh.fsdp': 4, 'mesh.tensor': 2}
+
+
+def _run(workdir, **overrides):
+  workdir.mkdir()
+  # Prices saved as a resumed run finds them: every step verifies a tree.
+  (workdir / STEP_COSTS_FILE).write_text('[[16, 0.5]]')
+  return train(_config(**{k.replace('.', '__'): v for k, v in {**SCALE, **overrides}.items()}),
+               workdir)
+
+
+def _restored(workdir):
+  """The latest checkpoint on this process's first device, whatever topology wrote it."""
+  step = ocp.CheckpointManager((workdir / 'checkpoints').resolve()).latest_step()
+  directory = (workdir / 'checkpoints' / str(step) / 'default').resolve()
+  checkpointer = ocp.StandardCheckpointer()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        checkpointer.metadata(directory).item_metadata)
+  return checkpointer.restore(directory, target)
+
+
+def _close(sharded, single, learning_rate, steps):
+  """Policies after `steps` AdamW steps on identical tokens: all but a few entries agree to
+  1e-6; entries whose gradient sits within a few eps of zero can differ up to Adam's bound
+  of lr per step on each side (tests/test_mesh_learner.py derives both)."""
+  for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+    difference = np.abs(np.asarray(a) - np.asarray(b))
+    assert difference.max() <= 2 * steps * learning_rate
+    assert np.mean(difference <= 1e-6) >= 0.999
+
+
+def _same_results(a, b):
+  assert [m['rollout_digest'] for m in a] == [m['rollout_digest'] for m in b]
+  assert [m['reward'] for m in a] == [m['reward'] for m in b]
+  np.testing.assert_allclose([m['loss'] for m in a], [m['loss'] for m in b], rtol=1e-4,
+                             atol=1e-7)
+
+
+def test_fsdp_tensor_mesh_equals_one_device_and_lora_starts_at_the_base(tmp_path):
+  _run(tmp_path / 'one')
+  _run(tmp_path / 'sharded', **SHARDED)
+  one, sharded = _metrics(tmp_path / 'one'), _metrics(tmp_path / 'sharded')
+  assert any(m['reward'] > 0 for m in one)
+  _same_results(sharded, one)
+  _close(_restored(tmp_path / 'sharded')['policy'], _restored(tmp_path / 'one')['policy'],
+         1e-4, 2)
+  _run(tmp_path / 'lora', **SHARDED, **{'grpo.lora_rank': 4})
+  adapted = _metrics(tmp_path / 'lora')
+  # B = 0: the first rollout is the base policy's, token for token.
+  assert adapted[0]['rollout_digest'] == one[0]['rollout_digest']
+  restored = _restored(tmp_path / 'lora')
+  base = load_policy(ensure_default_policy('workdir/policies')).params
+  for x, y in zip(jax.tree.leaves(restored['policy']), jax.tree.leaves(base), strict=True):
+    np.testing.assert_array_equal(x, y)  # only the adapters are trained
+  flat = traverse_util.flatten_dict(restored['adapters'], sep='/')
+  assert all(np.abs(v).max() > 0 for p, v in flat.items() if p.endswith('lora_b'))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _processes(workdir, cache, kill_at=None):
+  """Runs the job as 2 processes of 4 host devices each; with kill_at=(step, phase),
+  SIGKILLs both once process 0 logs it. Returns the processes' return codes."""
+  port = _free_port()
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_COMPILATION_CACHE_DIR': str(cache),
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+         'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+  overrides = {**SMALL, **SCALE, **SHARDED}
+  processes = [subprocess.Popen(
+      [sys.executable, '-m', 'experiments.train_grpo', f'--workdir={workdir}',
+       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}',
+       *[f'--config.{k}={v}' for k, v in overrides.items()]],
+      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    if kill_at is not None:
+      marker = re.compile(rf'step {kill_at[0]}: {kill_at[1]}$')
+      for line in processes[0].stderr:
+        if marker.search(line.strip()):
+          break
+      for p in processes:
+        p.send_signal(signal.SIGKILL)
+    errors = [p.communicate(timeout=600)[1] for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+  codes = [p.returncode for p in processes]
+  if kill_at is None:
+    assert codes == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+  return codes
+
+
+def test_two_processes_equal_one_and_resume_after_both_are_killed(tmp_path):
+  _run(tmp_path / 'one_process', **SHARDED)
+  cache = tmp_path / 'xla_cache'
+  straight, killed = tmp_path / 'two', tmp_path / 'killed'
+  for workdir in (straight, killed):
+    workdir.mkdir()
+    (workdir / STEP_COSTS_FILE).write_text('[[16, 0.5]]')
+  _processes(straight, cache)
+  single = _metrics(tmp_path / 'one_process')
+  _same_results(_metrics(straight), single)
+  _close(_restored(straight)['policy'], _restored(tmp_path / 'one_process')['policy'], 1e-4, 2)
+  assert _processes(killed, cache, kill_at=(2, 'rollout')) == [-signal.SIGKILL] * 2
+  _processes(killed, cache)
+  measured = ('time_', 'rss_mib', 'live_array', 'compilations')
+  drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(measured)} for r in rows]
+  assert drop(_metrics(killed)) == drop(_metrics(straight))
+  for x, y in zip(jax.tree.leaves(_restored(killed)), jax.tree.leaves(_restored(straight)),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
