@@ -6,7 +6,10 @@
 MODEL in MODELS (the checkpoint is the user's own HF directory: nothing is downloaded),
 DATASET in DATASETS (read from ../shared/data or --config.task.data_dir). Settings follow
 common GRPO practice for these sizes (group 8, lr 1e-6, k3 KL 1e-3, bf16); DAPO uses the
-clip-higher range it was published with.
+clip-higher range it was published with. The mesh is FSDP over every device
+(--config.mesh.fsdp / .tensor / .data to change it); `experiments.memory_report` says what
+each device then holds, from ARCHITECTURES when the checkpoint is not at hand. LoRA as
+FastGRPO trains 7B policies: --config.grpo.lora_rank=64 --config.grpo.lora_alpha=32.
 """
 from configs.tiny_math import get_config as base_config
 
@@ -14,6 +17,26 @@ MODELS = {
     'qwen2.5-1.5b': dict(prompts_per_step=128, micro_batch_size=16, max_batch=256),
     'qwen2.5-7b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
     'llama3.1-8b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
+}
+# The models' published config.json fields that shape memory (for experiments.memory_report).
+ARCHITECTURES = {
+    'qwen2.5-1.5b': dict(architectures=['Qwen2ForCausalLM'], vocab_size=151936,
+                         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1e6,
+                         tie_word_embeddings=True),
+    'qwen2.5-7b': dict(architectures=['Qwen2ForCausalLM'], vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+                       tie_word_embeddings=False),
+    'llama3.1-8b': dict(architectures=['LlamaForCausalLM'], vocab_size=128256,
+                        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_scaling=dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192),
+                        rope_theta=5e5, tie_word_embeddings=False),
 }
 DATASETS = {
     'gsm8k': dict(source='gsm8k', max_new_tokens=1024, clip_high=0.2),
@@ -36,6 +59,7 @@ def get_config(arg: str = 'qwen2.5-1.5b,gsm8k'):
   c.task.source, c.task.split = d['source'], ''
   c.rollout.update(prompts_per_step=m['prompts_per_step'], max_new_tokens=d['max_new_tokens'],
                    max_batch=m['max_batch'])
+  c.mesh.update(data=1, fsdp=-1, tensor=1)
   c.audit.every = 20  # a vanilla replay of every 20th rollout: ~5% more rollout time
   c.heads.update(num_sequences=2048, held_out=128, steps=2000)
   c.grpo.update(learning_rate=1e-6, kl_coef=1e-3, clip_epsilon_high=d['clip_high'],

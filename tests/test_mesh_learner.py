@@ -1,11 +1,15 @@
 """The learner on one (data, fsdp, tensor) mesh: sharded as the rules say, same update as
 one device; the memory report's exact parts match what the devices hold; LoRA."""
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+from configs import paper
+from specroll_jax.model.config import config_from_hf
 from specroll_jax.model.mesh import (MeshConfig, make_mesh, optimizer_sharding, param_sharding,
                                      put_rows)
 from specroll_jax.rl import grpo, lora, memory
@@ -136,3 +140,12 @@ def test_mesh_shapes_and_errors():
     MeshConfig(data=-1, fsdp=3).shape(8)
   with pytest.raises(ValueError, match='does not divide'):
     MeshConfig(data=4, fsdp=4).shape(8)
+
+
+def test_paper_architectures_have_their_published_sizes():
+  # Untied lm_heads included: the memory report counts what a checkpoint holds.
+  published = {'qwen2.5-1.5b': 1_543_714_304, 'qwen2.5-7b': 7_615_616_512,
+               'llama3.1-8b': 8_030_261_248}
+  for name, raw in paper.ARCHITECTURES.items():
+    shapes = memory.param_shapes(config_from_hf(raw, Path(name), 'bfloat16'))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == published[name]

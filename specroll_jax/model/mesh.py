@@ -33,9 +33,10 @@ PARAM_RULES = (
     (r'.*(o_proj|down_proj)/kernel$', P('tensor', 'fsdp')),
     (r'.*lm_head/kernel$', P('fsdp', 'tensor')),
     (r'.*embed_tokens/embedding$', P('tensor', 'fsdp')),
-    # LoRA adapters (rl/lora.py) of a kernel [in, out]: a [in, r], b [r, out].
+    # LoRA adapters (rl/lora.py) of a kernel [in, out]: a [in, r], b [r, out], each split
+    # over 'fsdp' along its long side (r is small; the merged delta takes W's sharding).
     (r'.*/lora_a$', P('fsdp', None)),
-    (r'.*/lora_b$', P(None, 'tensor')),
+    (r'.*/lora_b$', P(None, 'fsdp')),
 )
 # Horizon heads (spec/heads.py): w1 [H, D, inner] column-, w2 [H, inner, D] row-parallel.
 HEAD_RULES = (

@@ -91,9 +91,10 @@ def _optimizer_bytes(sizes, trained) -> int:
 def param_shapes(config: ModelConfig):
   """The policy's parameter shapes and dtypes, without allocating them."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  init = lambda: Transformer(config).init(jax.random.key(0), tokens, tokens,
-                                          jnp.ones((1, 1, 1), bool))['params']
-  return jax.eval_shape(init)
+  # Through the projection too: an untied lm_head is created only where it is used.
+  forward = lambda model: model.project(model(tokens, tokens, jnp.ones((1, 1, 1), bool))[0])
+  return jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
+                                                         method=forward)['params'])
 
 
 def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:

@@ -1,0 +1,62 @@
+"""Memory per device of a GRPO config on a mesh, before launching it.
+
+  python -m experiments.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k --devices=8
+  python -m experiments.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k --devices=8 \
+      --config.grpo.lora_rank=64 --config.grpo.lora_alpha=32
+
+The model's shapes come from config.policy.checkpoint's config.json, else (the paper
+configs) from configs/paper.py's ARCHITECTURES. The rollout cache and the learner's rows are
+--prompt_width + rollout.max_new_tokens wide (the trainer uses the longest task prompt,
+rounded up to 16).
+"""
+import json
+import sys
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from configs import paper
+from specroll_jax.model.config import config_from_hf, load_config
+from specroll_jax.model.mesh import AXES, MeshConfig
+from specroll_jax.rl import memory
+from specroll_jax.rl.sections import build
+from specroll_jax.spec.heads import HeadsConfig
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
+flags.DEFINE_integer('devices', 8, 'Devices the run will have (all processes together).')
+flags.DEFINE_integer('prompt_width', 256, 'Prompt slots per row (GSM8K chat prompts: 85-169 tokens).')
+flags.DEFINE_string('architecture', '', f'One of {sorted(paper.ARCHITECTURES)}; default: the '
+                    'checkpoint\'s config.json, else the paper config\'s model.')
+flags.DEFINE_string('out', '', 'Also write the report as JSON here.')
+FLAGS = flags.FLAGS
+
+
+def model_config(c):
+  checkpoint = Path(c.policy.checkpoint) if c.policy.checkpoint else None
+  if not FLAGS.architecture and checkpoint is not None and (checkpoint / 'config.json').is_file():
+    return load_config(checkpoint, c.policy.dtype)
+  name = FLAGS.architecture or (checkpoint.name if checkpoint else '')
+  if name not in paper.ARCHITECTURES:
+    sys.exit(f'error: no config.json at {checkpoint}; pass --architecture from '
+             f'{sorted(paper.ARCHITECTURES)}')
+  return config_from_hf(paper.ARCHITECTURES[name], Path(f'configs/paper.py:{name}'),
+                        c.policy.dtype)
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  config = model_config(c)
+  shape = dict(zip(AXES, build(MeshConfig, c.mesh, 'mesh').shape(FLAGS.devices)))
+  width = FLAGS.prompt_width + c.rollout.max_new_tokens
+  heads = HeadsConfig(c.heads.num_heads) if c.rollout.engine == 'specroll' else None
+  report = memory.report(config, memory.Workload.from_config(c, width, heads), shape)
+  print(report.table())
+  if FLAGS.out:
+    Path(FLAGS.out).write_text(json.dumps({'mesh': report.mesh, 'parts': dict(report.parts),
+                                           'total': report.total}, indent=1))
+
+
+if __name__ == '__main__':
+  app.run(main)
