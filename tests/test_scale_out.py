@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np

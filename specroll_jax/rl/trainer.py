@@ -30,7 +30,7 @@ from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
-from specroll_jax.model.mesh import (MeshConfig, head_sharding, make_mesh, optimizer_sharding,
+from specroll_jax.model.mesh import (AXES, MeshConfig, head_sharding, make_mesh, optimizer_sharding,
                                      param_sharding, put_rows, to_host)
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, grpo, lora, memory
@@ -97,7 +97,7 @@ def check_config(c) -> None:
   build(AuditConfig, c.audit, 'audit')
   sampler(c)
   mesh = build(MeshConfig, c.mesh, 'mesh')
-  shape = dict(zip(('data', 'fsdp', 'tensor'), mesh.shape(jax.device_count())))
+  shape = dict(zip(AXES, mesh.shape(jax.device_count())))
   rows_split = shape['data'] * shape['fsdp']
   for name, value in (('rollout.max_batch', c.rollout.max_batch),
                       ('grpo.micro_batch_size', c.grpo.micro_batch_size)):
@@ -359,7 +359,6 @@ def train(c, workdir) -> dict:
     heads_config, heads, heads_dir = distributed.primary_first(
         'heads', lambda: warm_start_heads(policy, c, task_prompts, workdir, policy_dir))
   mesh = make_mesh(build(MeshConfig, c.mesh, 'mesh'))
-  config = grpo_config(c, 0)
   prompt_width = run_prompt_width(task_prompts)
   width = prompt_width + c.rollout.max_new_tokens
   report = memory.report(policy.config, memory.Workload.from_config(c, width, heads_config),
