@@ -1,6 +1,6 @@
 """GRPO on one (data, fsdp, tensor) mesh equals GRPO on one device; two processes
-(jax.distributed over gloo, 4 host devices each) equal one process with 8, also after
-both are killed and resumed; LoRA's first rollout is the base policy's."""
+(jax.distributed over gloo, 4 host devices each), killed together mid-run and relaunched,
+equal one process with 8; LoRA's first rollout is the base policy's."""
 import os
 import re
 import signal
@@ -128,27 +128,17 @@ def _processes(workdir, cache, kill_at=None):
 # The processes run vanilla rollouts: what crosses processes (global arrays, gathered
 # decisions, the sharded update, Orbax's multi-host checkpoints) is the same for either
 # engine, and the speculative engine on this mesh is the first test's; vanilla keeps the
-# three two-process launches to ~35 s each.
+# two two-process launches to ~35 s each.
 MULTI_PROCESS = {**SHARDED, 'rollout.engine': 'vanilla'}
 
 
-def test_two_processes_equal_one_and_resume_after_both_are_killed(tmp_path):
+def test_two_processes_killed_and_resumed_equal_one_process(tmp_path):
   _run(tmp_path / 'one_process', **MULTI_PROCESS)
-  cache = tmp_path / 'xla_cache'
-  straight, killed = tmp_path / 'two', tmp_path / 'killed'
-  straight.mkdir()
+  cache, killed = tmp_path / 'xla_cache', tmp_path / 'two'
   killed.mkdir()
-  _processes(straight, cache)
-  single = _metrics(tmp_path / 'one_process')
-  _same_results(_metrics(straight), single)
-  _close(_restored(straight)['policy'], _restored(tmp_path / 'one_process')['policy'], 1e-4, 2)
   assert _processes(killed, cache, kill_at=(2, 'update')) == [-signal.SIGKILL] * 2
   # Step 1's checkpoint is complete, so the relaunch resumes rather than starts over.
   assert ocp.CheckpointManager((killed / 'checkpoints').resolve()).latest_step() == 1
   _processes(killed, cache)
-  measured = ('time_', 'rss_mib', 'live_array', 'compilations')
-  drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(measured)} for r in rows]
-  assert drop(_metrics(killed)) == drop(_metrics(straight))
-  for x, y in zip(jax.tree.leaves(_restored(killed)), jax.tree.leaves(_restored(straight)),
-                  strict=True):
-    np.testing.assert_array_equal(x, y)
+  _same_results(_metrics(killed), _metrics(tmp_path / 'one_process'))
+  _close(_restored(killed)['policy'], _restored(tmp_path / 'one_process')['policy'], 1e-4, 2)
