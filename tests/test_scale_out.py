@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -93,35 +94,44 @@ def _free_port() -> int:
 
 def _processes(workdir, cache, kill_at=None):
   """Runs the job as 2 processes of 4 host devices each; with kill_at=(step, phase),
-  SIGKILLs both once process 0 logs it. Returns the processes' return codes."""
+  SIGKILLs both once process 0 logs it. Returns the processes' return codes.
+
+  Each process logs to a file: a pipe nobody drains fills up, and a process blocked on
+  its stderr stalls the other in their next collective.
+  """
   port = _free_port()
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
          'JAX_COMPILATION_CACHE_DIR': str(cache),
          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
   overrides = {**SMALL, **SCALE, **MULTI_PROCESS}
-  processes = [subprocess.Popen(
-      [sys.executable, '-m', 'experiments.train_grpo', f'--workdir={workdir}',
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}',
-       *[f'--config.{k}={v}' for k, v in overrides.items()]],
-      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
+  logs = [workdir.with_name(f'{workdir.name}_process_{i}.log') for i in range(2)]
+  processes = []
+  for i, log in enumerate(logs):
+    with log.open('w') as stream:
+      processes.append(subprocess.Popen(
+          [sys.executable, '-m', 'experiments.train_grpo', f'--workdir={workdir}',
+           f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}',
+           *[f'--config.{k}={v}' for k, v in overrides.items()]],
+          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stream))
   try:
     if kill_at is not None:
-      marker = re.compile(rf'step {kill_at[0]}: {kill_at[1]}$')
-      for line in processes[0].stderr:
-        if marker.search(line.strip()):
-          break
+      marker = re.compile(rf'step {kill_at[0]}: {kill_at[1]}$', re.MULTILINE)
+      deadline = time.time() + 600
+      while not marker.search(logs[0].read_text()) and time.time() < deadline:
+        assert processes[0].poll() is None, 'process 0 ended before the kill'
+        time.sleep(0.05)
       for p in processes:
         p.send_signal(signal.SIGKILL)
-    errors = [p.communicate(timeout=600)[1] for p in processes]
+    for p in processes:
+      p.wait(timeout=600)
   finally:
     for p in processes:
       if p.poll() is None:
         p.kill()
   codes = [p.returncode for p in processes]
   if kill_at is None:
-    assert codes == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    assert codes == [0, 0], ''.join(log.read_text()[-3000:] for log in logs)
   return codes
 
 
