@@ -72,14 +72,14 @@ def make_mesh(config: MeshConfig = MeshConfig()) -> Mesh:
   return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), AXES)
 
 
-def row_shards(mesh: Mesh | None) -> int:
-  """How many pieces batch rows are split into (batch buckets are multiples of it)."""
-  return 1 if mesh is None else mesh.shape['data'] * mesh.shape['fsdp']
-
-
 def axis_size(sizes, axis) -> int:
   """Devices along `axis` (a name or a tuple of names) of a mesh shape {name: size}."""
   return int(np.prod([sizes[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
+
+
+def row_shards(mesh: Mesh | None) -> int:
+  """How many pieces batch rows are split into (batch buckets are multiples of it)."""
+  return 1 if mesh is None else axis_size(mesh.shape, ROWS)
 
 
 def _fitted(sizes, spec: P, shape) -> P:
@@ -128,11 +128,14 @@ def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(*([ROWS] + [None] * (ndim - 1))) if ndim else P())
 
 
+def cache_layer_spec(sizes, shape) -> P:
+  """A KV cache layer [B, KVH, S, Dh]: rows as everywhere, KV heads over 'tensor' (the
+  heads a column-parallel k/v projection produces on each device)."""
+  return _fitted(sizes, P(ROWS, 'tensor', None, None), shape)
+
+
 def _cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
-  """Layers [B, KVH, S, Dh]: rows as everywhere, KV heads over 'tensor' (the heads a
-  column-parallel k/v projection produces on each device)."""
-  layer = lambda x: NamedSharding(mesh, _fitted(mesh.shape, P(ROWS, 'tensor', None, None),
-                                                x.shape))
+  layer = lambda x: NamedSharding(mesh, cache_layer_spec(mesh.shape, x.shape))
   return KVCache(k=tuple(map(layer, cache.k)), v=tuple(map(layer, cache.v)),
                  lengths=rows_sharding(mesh, cache.lengths.ndim))
 

@@ -17,23 +17,24 @@ def target_names(targets: str) -> tuple[str, ...]:
   return tuple(name.strip() for name in targets.split(',') if name.strip())
 
 
-def _targeted(params, targets: str) -> dict:
-  """{path of a targeted kernel: kernel} in the flattened parameters."""
+def targeted_kernels(params, targets: str) -> dict:
+  """{'.../q_proj/kernel': kernel, ...}: the flattened kernels whose module is in `targets`."""
   names = target_names(targets)
   flat = traverse_util.flatten_dict(params, sep='/')
-  return {path[:-len('/kernel')]: value for path, value in flat.items()
+  return {path: value for path, value in flat.items()
           if path.endswith('/kernel') and path.split('/')[-2] in names}
 
 
 def init_adapters(params, rank: int, targets: str, seed: int) -> dict:
   """A ~ N(0, 1/in), B = 0 for every kernel whose module name is in `targets`."""
-  kernels = _targeted(params, targets)
+  kernels = targeted_kernels(params, targets)
   if not kernels:
     raise ValueError(f'config grpo.lora_targets={targets!r} matches no kernel of the policy '
                      '(module names such as q_proj, down_proj)')
   keys = jax.random.split(jax.random.key(seed), len(kernels))
   flat = {}
-  for key, (path, kernel) in zip(keys, sorted(kernels.items())):
+  for key, (kernel_path, kernel) in zip(keys, sorted(kernels.items())):
+    path = kernel_path[:-len('/kernel')]
     fan_in, fan_out = kernel.shape
     flat[f'{path}/lora_a'] = jax.random.normal(key, (fan_in, rank), jnp.float32) * fan_in ** -0.5
     flat[f'{path}/lora_b'] = jnp.zeros((rank, fan_out), jnp.float32)

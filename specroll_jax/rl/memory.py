@@ -18,7 +18,8 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.model.mesh import AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_size, rule_specs
+from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_size,
+                                     cache_layer_spec, rule_specs)
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.rl import grpo, lora
 from specroll_jax.spec.heads import HeadsConfig, HorizonHeads
@@ -106,9 +107,7 @@ def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:
   if workload.lora_rank:
     adapters = jax.eval_shape(lambda p: lora.init_adapters(p, workload.lora_rank,
                                                            workload.lora_targets, 0), params)
-    targeted = {path: leaf for path, leaf in traverse_util.flatten_dict(params, sep='/').items()
-                if f'{path.rsplit("/", 1)[0]}/lora_a' in
-                traverse_util.flatten_dict(adapters, sep='/')}
+    targeted = lora.targeted_kernels(params, workload.lora_targets)
     parts.append(('merged weights (rollouts)',
                   _shard_bytes(mesh, traverse_util.unflatten_dict(targeted, sep='/'),
                                PARAM_RULES)))
@@ -122,15 +121,12 @@ def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:
         jax.random.key(0), jnp.zeros((1, config.hidden_size)))['params'])
     # The slow path's AdamW moments exist while it consolidates.
     parts.append(('heads + their optimizer', 3 * _shard_bytes(mesh, heads, HEAD_RULES)))
-  rows = axis_size(mesh, ROWS)
-  tensor = mesh['tensor']
-  act = np.dtype(config.activation_dtype).itemsize
-  kv_split = tensor if config.num_kv_heads % tensor == 0 else 1
-  cache = (workload.rollout_rows // rows * workload.cache_length * config.num_layers * 2
-           * config.num_kv_heads // kv_split * config.head_dim * act)
+  layer = jax.ShapeDtypeStruct((workload.rollout_rows, config.num_kv_heads,
+                                 workload.cache_length, config.head_dim), config.activation_dtype)
+  cache = 2 * config.num_layers * _piece_bytes(mesh, layer, cache_layer_spec(mesh, layer.shape))
   parts.append((f'KV cache ({workload.rollout_rows} rows x {workload.cache_length} slots)', cache))
-  parts.append(('learner activations (estimate)', _activation_bytes(config, workload, rows,
-                                                                    tensor)))
+  parts.append(('learner activations (estimate)',
+                _activation_bytes(config, workload, axis_size(mesh, ROWS), mesh['tensor'])))
   return MemoryReport(mesh=dict(mesh), parts=tuple(parts))
 
 

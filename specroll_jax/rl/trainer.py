@@ -30,8 +30,9 @@ from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
 from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
-from specroll_jax.model.mesh import (AXES, MeshConfig, head_sharding, make_mesh, optimizer_sharding,
-                                     param_sharding, put_rows, to_host)
+from specroll_jax.model.mesh import (AXES, ROWS, MeshConfig, axis_size, head_sharding, make_mesh,
+                                     optimizer_sharding, param_sharding, put_rows,
+                                     shard_params, to_host)
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, grpo, lora, memory
 from specroll_jax.rl.audit import Audit, AuditConfig
@@ -97,8 +98,7 @@ def check_config(c) -> None:
   build(AuditConfig, c.audit, 'audit')
   sampler(c)
   mesh = build(MeshConfig, c.mesh, 'mesh')
-  shape = dict(zip(AXES, mesh.shape(jax.device_count())))
-  rows_split = shape['data'] * shape['fsdp']
+  rows_split = axis_size(dict(zip(AXES, mesh.shape(jax.device_count()))), ROWS)
   for name, value in (('rollout.max_batch', c.rollout.max_batch),
                       ('grpo.micro_batch_size', c.grpo.micro_batch_size)):
     if value % rows_split:
@@ -320,10 +320,10 @@ def _phase(step: int, name: str) -> None:
 
 
 def _scored_shard(tasks, responses, tokenizer) -> np.ndarray:
-  """Rewards of every response, each process scoring its own block of the prompts (its
-  share of the answer checks), gathered so every process holds them all."""
-  prompts = max(r.prompt_index for r in responses) + 1
-  share = prompts // jax.process_count()
+  """Rewards of every response (`tasks`: the step's, one per prompt), each process scoring
+  its own block of the prompts (its share of the answer checks), gathered so every process
+  holds them all."""
+  share = len(tasks) // jax.process_count()
   mine = range(jax.process_index() * share, (jax.process_index() + 1) * share)
   scores = np.array([rewards.score(tokenizer.decode(r.token_ids, skip_special_tokens=True),
                                    tasks[r.prompt_index].answer, tasks[r.prompt_index].kind)
@@ -374,11 +374,11 @@ def train(c, workdir) -> dict:
   config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
   optimizer = grpo.make_optimizer(config)
   # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
-  base = jax.device_put(policy.params, param_sharding(mesh, policy.params))
+  base = shard_params(mesh, policy.params)
   adapters = None
   if config.lora_rank:
     adapters = lora.init_adapters(policy.params, config.lora_rank, config.lora_targets, c.seed)
-    adapters = jax.device_put(adapters, param_sharding(mesh, adapters))
+    adapters = shard_params(mesh, adapters)
   trained = base if adapters is None else adapters
   opt_state = optimizer.init(trained)
   opt_state = jax.device_put(opt_state, optimizer_sharding(mesh, optimizer, opt_state,
