@@ -30,6 +30,7 @@ def get_config():
   c.task.source, c.task.count = 'synthetic:hard', 4096
   c.audit.every = 0  # vanilla runs as its own variant
   c.window = 20  # steps averaged into tau_first20 / tau_last20
+  c.repeats = 2  # runs of every variant, in alternating order; times are their medians
   c.warmup_steps = 5  # excluded from the times: they compile the engines' shapes
   c.out_dir = 'results/ablation_w1'
   c.workdir = 'workdir/ablation_w1'

@@ -50,7 +50,9 @@ def get_config():
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
-      monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig)))
+      monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),
+      # The always-online baseline's retraining after every batch (mode=online).
+      online=section(ConsolidationConfig)))
   # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
   # fsdp x tensor; -1 = every device the other axes leave.
   c.mesh = section(MeshConfig)
@@ -58,7 +60,8 @@ def get_config():
   # Every 5th step vanilla replays the rollout: identical responses and the measured
   # speedup go into metrics.jsonl and report.md.
   c.audit = section(AuditConfig, every=5)
-  # group_size and temperature are the rollout's; harvest_top_k follows adaptation.mode.
+  # group_size and temperature are the rollout's; the update harvests head pairs
+  # (adaptation.harvest_top_k) only on steps that train heads.
   c.grpo = section(GRPOConfig, exclude=('group_size', 'temperature', 'harvest_top_k'),
                    learning_rate=1e-4, micro_batch_size=32)
   return c

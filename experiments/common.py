@@ -52,11 +52,12 @@ def run_fresh(run, workdir: Path) -> list[dict]:
 
 def totals(rows, warmup: int = 1) -> dict:
   """Seconds per timed phase summed over the steps after `warmup` (the first step compiles
-  most shapes; first_step reports it)."""
+  most shapes; first_step reports it). A phase a step did not run (the audit between its
+  due steps) counts 0."""
   steady = rows[warmup:]
-  out = {k: sum(r[f'time_{k}'] for r in steady) for k in TIME_KEYS}
+  out = {k: sum(r.get(f'time_{k}', 0.0) for r in steady) for k in TIME_KEYS}
   out['end_to_end'] = sum(out.values())
-  out['first_step'] = sum(rows[0][f'time_{k}'] for k in TIME_KEYS)
+  out['first_step'] = sum(rows[0].get(f'time_{k}', 0.0) for k in TIME_KEYS)
   return out
 
 

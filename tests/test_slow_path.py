@@ -13,6 +13,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.heads import HeadsConfig, init_heads
+from specroll_jax.spec.pairs import response_spans
 
 HEADS = 3
 
@@ -57,6 +58,22 @@ def test_trigger_on_a_sustained_dip_then_cooldown():
   assert not any(triggers)
 
 
+def test_probes_come_on_schedule_and_back_off_after_a_rollback():
+  config = MonitorConfig(probe_interval=3, max_probe_interval=8)
+  state = MonitorState.init(config, HEADS)
+  due = []
+  for i in range(9):
+    state, triggered = monitor.observe(config, state, _healthy(i))
+    due.append(bool(triggered[0]))
+    if triggered.any():
+      # Head 0's probes are rolled back, the others' kept.
+      state = monitor.after_update(config, state, triggered, np.arange(HEADS) > 0)
+  # Windows 3 and 9 (interval 3, then doubled to 6); healthy windows never trigger otherwise.
+  assert due == [False, False, True] + [False] * 5 + [True], due
+  assert state.probe_interval.tolist() == [8, 3, 3]
+  assert state.rollbacks.tolist() == [2, 0, 0] and state.updates.tolist() == [0, 3, 3]
+
+
 def test_inactive_heads_neither_calibrate_nor_trigger():
   config = MonitorConfig(patience=1)
   state = MonitorState.init(config, HEADS)
@@ -69,8 +86,8 @@ def test_inactive_heads_neither_calibrate_nor_trigger():
 
 
 @pytest.fixture(scope='module')
-def pairs_and_heads(stories_policy):
-  """Pairs harvested from a GRPO update over the policy's own sampled text."""
+def learner_batch(stories_policy):
+  """A GRPO batch of the policy's own sampled text: 16 rows, responses from position 8."""
   policy = stories_policy
   rng = np.random.default_rng(0)
   prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The dog', 'Lily saw')]
@@ -83,18 +100,29 @@ def pairs_and_heads(stories_policy):
     sequence = prompts[r.prompt_index] + r.token_ids
     tokens[i, :len(sequence)] = sequence
   tokens = jnp.asarray(tokens)
-  config = grpo.GRPOConfig(group_size=4, micro_batch_size=8, harvest_top_k=16,
-                           learning_rate=1e-3)
   logp = grpo.token_logprobs(policy.config, policy.params, tokens, 1.0)
   mask = (tokens >= 0) & (jnp.arange(width) >= 8)
   batch = grpo.RolloutBatch(tokens=tokens, response_mask=mask,
                             old_logprobs=jnp.where(mask, logp, 0.0),
                             advantages=jnp.asarray(rng.normal(size=rows), jnp.float32))
+  return batch
+
+
+def _harvest(policy, batch, **config):
+  config = grpo.GRPOConfig(group_size=4, micro_batch_size=8, harvest_top_k=16,
+                           learning_rate=1e-3, **config)
   optimizer = grpo.make_optimizer(config)
   *_, pairs = grpo.train_step(policy.config, config, policy.params,
                               optimizer.init(policy.params), batch)
+  return pairs
+
+
+@pytest.fixture(scope='module')
+def pairs_and_heads(stories_policy, learner_batch):
+  """Pairs harvested from a GRPO update over the policy's own sampled text."""
+  pairs = _harvest(stories_policy, learner_batch)
   heads_config = HeadsConfig(num_heads=HEADS)
-  return pairs, heads_config, init_heads(heads_config, policy.config, seed=3)
+  return pairs, heads_config, init_heads(heads_config, stories_policy.config, seed=3)
 
 
 def test_harvested_pairs_are_the_policy_targets(stories_policy, pairs_and_heads):
@@ -113,6 +141,23 @@ def test_harvested_pairs_are_the_policy_targets(stories_policy, pairs_and_heads)
   # of magnitude up to 15.6 (top-16 renormalised), identical ids.
   np.testing.assert_allclose(np.asarray(pairs.target_logp)[:, :-1][inner],
                              np.asarray(reference.target_logp)[:, :-1][inner], atol=1e-4)
+
+
+def test_a_span_harvest_is_the_whole_rows_harvest_at_the_responses(stories_policy, learner_batch,
+                                                                    pairs_and_heads):
+  span = 20  # past the row for some rows: those positions are invalid in both
+  spans = _harvest(stories_policy, learner_batch, harvest_span=span)
+  starts = jnp.full(learner_batch.tokens.shape[0], 7, jnp.int32)  # the last prompt position
+  reference = response_spans(pairs_and_heads[0], starts, span)
+  valid = np.asarray(reference.valid)
+  np.testing.assert_array_equal(np.asarray(spans.valid), valid)
+  for name in ('hidden', 'target_ids', 'tokens'):
+    np.testing.assert_array_equal(np.asarray(getattr(spans, name))[valid],
+                                  np.asarray(getattr(reference, name))[valid], err_msg=name)
+  # The same logits; XLA reduces the log-softmax over a [B, S, K] array in another order
+  # than over [B, T, K]: float32 rounding of values up to ~15 (measured 9.5e-7).
+  np.testing.assert_allclose(np.asarray(spans.target_logp)[valid],
+                             np.asarray(reference.target_logp)[valid], rtol=0, atol=4e-6)
 
 
 def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy,
@@ -140,9 +185,47 @@ def test_a_non_finite_head_update_is_rolled_back_even_without_rollback(stories_p
   config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=float('inf'))
   result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
                                      pairs, np.ones(HEADS, bool), seed=0, rollback=False)
-  assert not np.isfinite(result.kl_after).any() and not result.kept.any()
+  assert result.kl_after is None and not result.kept.any()
   for name in heads:
     np.testing.assert_array_equal(result.params[name], heads[name])
+
+
+def test_held_out_rows_are_whole_prompt_groups(stories_policy, pairs_and_heads, monkeypatch):
+  policy = stories_policy
+  pairs, heads_config, heads = pairs_and_heads
+  groups = np.repeat(np.arange(4), 4)
+  seen = []
+  real = consolidation.held_out_kl
+  monkeypatch.setattr(consolidation, 'held_out_kl',
+                      lambda *a: seen.append(np.asarray(a[-1].tokens)) or real(*a))
+  consolidation.consolidate(heads_config, policy.config, ConsolidationConfig(steps=2, batch_size=4),
+                            heads, policy.params, pairs, np.ones(HEADS, bool), seed=1,
+                            groups=groups)
+  held = [i for i in range(len(groups))
+          if any(np.array_equal(np.asarray(pairs.tokens[i]), t) for t in seen[0])]
+  assert len(held) == 4 and len(set(groups[held])) == 1, held
+  with pytest.raises(ValueError, match='groups has shape'):
+    consolidation.consolidate(heads_config, policy.config, ConsolidationConfig(), heads,
+                              policy.params, pairs, np.ones(HEADS, bool), seed=1,
+                              groups=groups[:3])
+
+
+def test_online_trains_on_every_row_and_keeps_every_head(stories_policy, pairs_and_heads,
+                                                         monkeypatch):
+  policy = stories_policy
+  pairs, heads_config, heads = pairs_and_heads
+  monkeypatch.setattr(consolidation, 'held_out_kl', None)  # nothing is held out
+  trained = []
+  real = consolidation._train
+  monkeypatch.setattr(consolidation, '_train',
+                      lambda *a: trained.append(a[5].tokens.shape[0]) or real(*a))
+  result = consolidation.consolidate(heads_config, policy.config,
+                                     ConsolidationConfig(steps=2, batch_size=4), heads,
+                                     policy.params, pairs, np.ones(HEADS, bool), seed=0,
+                                     rollback=False)
+  assert trained == [pairs.tokens.shape[0]] and result.kept.all() and result.kl_before is None
+  for h in range(HEADS):
+    assert not np.array_equal(result.params['w2'][h], heads['w2'][h])
 
 
 def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):

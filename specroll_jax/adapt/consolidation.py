@@ -90,35 +90,58 @@ def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_par
 class Consolidation:
   params: dict
   kept: np.ndarray        # bool [H] updated heads whose held-out KL improved
-  kl_before: np.ndarray   # [H] held-out KL
-  kl_after: np.ndarray    # [H] held-out KL of the trained (pre-rollback) heads
+  kl_before: np.ndarray | None  # [H] held-out KL (None without rollback: nothing held out)
+  kl_after: np.ndarray | None   # [H] held-out KL of the trained (pre-rollback) heads
   loss: float
+
+
+def _finite_heads(head_params) -> np.ndarray:
+  """bool [H]: every parameter of the head is finite."""
+  return np.all([np.isfinite(to_host(x)).reshape(x.shape[0], -1).all(1)
+                 for x in jax.tree.leaves(head_params)], axis=0)
 
 
 def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
                 policy_params, pairs: HeadPairs, heads_mask, seed: int,
-                rollback: bool = True) -> Consolidation:
-  """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves
-  (rollback=False keeps every trained head: the always-online baseline). A head whose
-  held-out KL is not finite after training is rolled back in either mode."""
+                rollback: bool = True, groups=None) -> Consolidation:
+  """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves.
+
+  rollback=False is the always-online baseline: it trains on every row, holds none out and
+  keeps every trained head whose parameters stay finite (kl_before / kl_after are then None).
+
+  `groups` [rows] names each row's prompt (None: every row its own). Whole groups are held
+  out: a GRPO group's samples share their prompt's text, so a held-out row of a trained
+  prompt would reward memorising that prompt instead of tracking the policy."""
   heads_mask = np.asarray(heads_mask, bool)
   rows = pairs.tokens.shape[0]
-  held = max(1, int(round(rows * config.held_out_fraction)))
-  if rows - held < 1:
-    raise ValueError(f'slow path needs at least 2 harvested rows, got {rows}')
+  groups = np.arange(rows) if groups is None else np.asarray(groups)
+  if groups.shape != (rows,):
+    raise ValueError(f'groups has shape {groups.shape}, expected ({rows},) like the pairs')
   rng = np.random.default_rng(seed)
-  permutation = rng.permutation(rows)
-  train_rows, held_rows = np.sort(permutation[held:]), np.sort(permutation[:held])
+  held_out_rows = np.zeros(rows, bool)
+  if rollback:
+    names = np.unique(groups)
+    held = max(1, int(round(len(names) * config.held_out_fraction)))
+    if len(names) - held < 1:
+      raise ValueError(f'slow path needs at least 2 harvested prompt groups, got {len(names)}')
+    held_out_rows = np.isin(groups, rng.permutation(names)[:held])
+  train_rows, held_rows = np.flatnonzero(~held_out_rows), np.flatnonzero(held_out_rows)
   take = lambda index: jax.tree.map(lambda x: x[index], pairs)
-  train, held_out = take(train_rows), take(held_rows)
+  train = take(train_rows)
   order = np.stack([rng.choice(len(train_rows), min(config.batch_size, len(train_rows)),
                                replace=False) for _ in range(config.steps)])
   mask = jnp.asarray(heads_mask, jnp.float32)
   trained, loss = _train(heads_config, model_config, config, head_params, policy_params, train,
                          mask, jnp.asarray(order))
-  before = to_host(held_out_kl(heads_config, model_config, head_params, policy_params, held_out))
-  after = to_host(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
-  kept = heads_mask & np.isfinite(after) & ((after < before) | (not rollback))
+  before = after = None
+  if rollback:
+    held_out = take(held_rows)
+    before = to_host(held_out_kl(heads_config, model_config, head_params, policy_params,
+                                 held_out))
+    after = to_host(held_out_kl(heads_config, model_config, trained, policy_params, held_out))
+    kept = heads_mask & np.isfinite(after) & (after < before)
+  else:
+    kept = heads_mask & _finite_heads(trained)
   keep = jnp.asarray(kept, jnp.float32)
   params = jax.tree.map(lambda new, old: jnp.where(
       keep.reshape((-1,) + (1,) * (new.ndim - 1)) > 0, new, old), trained, head_params)

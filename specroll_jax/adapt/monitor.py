@@ -7,8 +7,14 @@ mass outside the head's candidates). After every update
 (and at the start) a baseline is calibrated over a few windows. A head triggers only when
 its acceptance sits >= `drop` below its baseline *and* its regret's robust z-score against
 the calibrated history exceeds `regret_z` for `patience` consecutive windows, and not while
-cooling down after an update: transient dips are Reflex's job. What a trigger does is
-consolidation.py. The monitor state is a pytree of arrays and rides in the trainer's Orbax
+cooling down after an update: transient dips are Reflex's job.
+
+Gradual drift rarely crosses that level (on W1 a static head's acceptance falls ~0.03 in
+60 windows against a window-to-window spread of 0.02-0.05), while retraining on fresh pairs
+still pays. So a head is also probed: `probe_interval` windows after its last update it
+is consolidated anyway, and the consolidation's held-out check is the test. A probe that
+is rolled back doubles the head's interval (up to `max_probe_interval`); one that is kept
+resets it. What a trigger does is consolidation.py. The monitor state is a pytree of arrays and rides in the trainer's Orbax
 checkpoint.
 """
 import dataclasses
@@ -29,10 +35,15 @@ class MonitorConfig:
   calibration_windows: int = 2    # windows averaged into a fresh baseline
   history: int = 8                # regret windows kept for the robust z-score
   min_regret_scale: float = 0.01  # floor of the robust scale (a quiet history is not 0 noise)
+  probe_interval: int = 0         # windows between probe consolidations of a head; 0 = none
+  max_probe_interval: int = 64    # the interval's cap after repeated rollbacks
 
   def __post_init__(self):
     if self.patience < 1 or self.calibration_windows < 1 or self.history < 2:
       raise ValueError('patience, calibration_windows must be >= 1 and history >= 2')
+    if self.probe_interval < 0 or self.max_probe_interval < self.probe_interval:
+      raise ValueError(f'probe_interval must be >= 0 and <= max_probe_interval, got '
+                       f'{self.probe_interval} and {self.max_probe_interval}')
 
 
 @struct.dataclass
@@ -64,10 +75,14 @@ class MonitorState:
   cooldown: jax.Array          # int32 [H] windows left before the head may trigger again
   updates: jax.Array           # int32 [H] updates kept
   rollbacks: jax.Array         # int32 [H] updates rolled back
+  since_update: jax.Array      # int32 [H] windows the head proposed in since its last update
+  probe_interval: jax.Array    # int32 [H] windows from an update to the next probe
 
   @classmethod
   def init(cls, config: MonitorConfig, heads: int) -> 'MonitorState':
-    return cls(baseline=np.zeros(heads, np.float32),
+    return cls(since_update=np.zeros(heads, np.int32),
+               probe_interval=np.full(heads, config.probe_interval, np.int32),
+               baseline=np.zeros(heads, np.float32),
                calibrating=np.full(heads, config.calibration_windows, np.int32),
                regret_history=np.full((heads, config.history), np.nan, np.float32),
                consecutive=np.zeros(heads, np.int32), cooldown=np.zeros(heads, np.int32),
@@ -101,7 +116,9 @@ def observe(config: MonitorConfig, state: MonitorState, window: WindowStats):
   degraded = judged & (window.acceptance <= baseline - config.drop) & (z > config.regret_z)
   consecutive = np.where(degraded, state.consecutive + 1, np.where(judged, 0, state.consecutive))
   cooling = state.cooldown > 0
-  triggered = degraded & (consecutive >= config.patience) & ~cooling
+  since_update = state.since_update + active
+  probed = active & (state.probe_interval > 0) & (since_update >= state.probe_interval)
+  triggered = (degraded & (consecutive >= config.patience) & ~cooling) | probed
   history = state.regret_history
   keep = active & ~degraded  # degraded windows do not move the reference
   history = np.where(keep[:, None], np.concatenate([history[:, 1:], window.regret[:, None]], 1),
@@ -110,14 +127,20 @@ def observe(config: MonitorConfig, state: MonitorState, window: WindowStats):
       baseline=baseline.astype(np.float32),
       calibrating=np.where(calibrating, state.calibrating - 1, state.calibrating),
       regret_history=history.astype(np.float32), consecutive=consecutive.astype(np.int32),
+      since_update=since_update.astype(np.int32),
       cooldown=np.where(active & cooling, state.cooldown - 1, state.cooldown).astype(np.int32))
   return state, triggered
 
 
 def after_update(config: MonitorConfig, state: MonitorState, updated, kept) -> MonitorState:
-  """Recalibrates updated heads (their old baseline describes other parameters)."""
+  """Recalibrates updated heads (their old baseline describes other parameters) and sets
+  their next probe: the base interval after a kept update, twice the last after a rollback."""
   updated, kept = np.asarray(updated, bool), np.asarray(kept, bool)
+  interval = np.where(kept, config.probe_interval,
+                      np.minimum(2 * state.probe_interval, config.max_probe_interval))
   return state.replace(
+      since_update=np.where(updated, 0, state.since_update).astype(np.int32),
+      probe_interval=np.where(updated, interval, state.probe_interval).astype(np.int32),
       baseline=np.where(updated, 0.0, state.baseline).astype(np.float32),
       calibrating=np.where(updated, config.calibration_windows, state.calibrating).astype(np.int32),
       regret_history=np.where(updated[:, None], np.nan, state.regret_history).astype(np.float32),

@@ -26,7 +26,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
 from specroll_jax.rl import lora
-from specroll_jax.spec.pairs import HeadPairs, top_targets
+from specroll_jax.spec.pairs import HeadPairs, span_positions, take_positions, top_targets
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
 
@@ -52,6 +52,9 @@ class GRPOConfig:
   micro_batch_size: int = 8
   advantage_eps: float = 1e-6
   harvest_top_k: int = 0  # > 0: also return head-training pairs from the update's forward
+  # > 0: harvest only each row's positions [last prompt position, + harvest_span), the
+  # pairs whose horizon lies in the response; 0: whole rows.
+  harvest_span: int = 0
   # True: pi_old is the learner's own forward at the step's starting parameters (exact for
   # one update per batch, as train_step does), not the rollout engine's log-probs, so
   # training does not depend on the engine's float32 rounding (1e-5, shape dependent).
@@ -90,8 +93,9 @@ class GRPOConfig:
       raise ValueError(f'micro_batch_size must be >= 1, got {self.micro_batch_size}')
     if self.advantage_eps <= 0:
       raise ValueError(f'advantage_eps must be > 0, got {self.advantage_eps}')
-    if self.harvest_top_k < 0:
-      raise ValueError(f'harvest_top_k must be >= 0, got {self.harvest_top_k}')
+    if self.harvest_top_k < 0 or self.harvest_span < 0:
+      raise ValueError(f'harvest_top_k and harvest_span must be >= 0, got '
+                       f'{self.harvest_top_k} and {self.harvest_span}')
     if self.lora_rank < 0:
       raise ValueError(f'lora_rank must be >= 0, got {self.lora_rank}')
     if self.lora_rank and not lora.target_names(self.lora_targets):
@@ -158,10 +162,12 @@ def batch_from_rollouts(prompts: list[list[int]], responses: list[list[int]],
 
 
 def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
-                    harvest_top_k: int = 0):
+                    harvest_top_k: int = 0, harvest_span: int = 0, harvest_starts=None):
   """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
   and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
-  (hidden states and the policy's top-K next-token distribution; else None).
+  (hidden states and the policy's top-K next-token distribution; else None): over whole
+  rows, or with harvest_span > 0 over positions [harvest_starts, + harvest_span) per row,
+  which takes the top-K of those positions only.
 
   Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
   softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
@@ -177,11 +183,16 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
   shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)
   pairs = None
   if harvest_top_k:
-    ids, target_logp = jax.lax.stop_gradient(top_targets(logits, harvest_top_k))
-    # Heads never read a target at the last position (its horizon is past the row).
-    last = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
-    pairs = HeadPairs(hidden=jax.lax.stop_gradient(hidden), target_ids=last(ids),
-                         target_logp=last(target_logp), tokens=safe, valid=valid)
+    width = tokens.shape[1]
+    index, inside = (span_positions(harvest_starts, harvest_span, width) if harvest_span else
+                     span_positions(jnp.zeros(tokens.shape[0], jnp.int32), width, width))
+    take = lambda x: take_positions(x, index)
+    # The last position is never projected; heads never read its target (the horizon is
+    # past the row), so it takes the one before's.
+    span_logits = take_positions(logits, jnp.minimum(index, width - 2))
+    ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
+    pairs = HeadPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
+                      target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)
   return shift(logp), shift(entropy), pairs
 
 
@@ -263,9 +274,11 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
                     weights=None, base=None):
   if weights is None:
     weights = loss_weights(config.loss_aggregation, batch.response_mask)
+  # The last prompt position: the first pair whose horizon lies in the response.
+  starts = jnp.maximum(jnp.argmax(batch.response_mask, axis=1) - 1, 0)
   logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
                                              batch.tokens, config.temperature,
-                                             config.harvest_top_k)
+                                             config.harvest_top_k, config.harvest_span, starts)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))

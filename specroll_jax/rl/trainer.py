@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -48,7 +47,6 @@ from specroll_jax.spec.gate import GateConfig
 from specroll_jax.spec.group_proposer import GroupDraftConfig
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import HeadsConfig
-from specroll_jax.spec.pairs import response_spans
 from specroll_jax.spec.step_cost import with_measured_step_costs
 from specroll_jax.tasks import rewards
 from specroll_jax.tasks.default_policy import ensure_default_policy
@@ -88,6 +86,7 @@ def check_config(c) -> None:
   build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex')
   build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
   build(ConsolidationConfig, c.adaptation.consolidation, 'adaptation.consolidation')
+  build(ConsolidationConfig, c.adaptation.online, 'adaptation.online')
   grpo_config(c, c.adaptation.harvest_top_k)
   HeadDraftConfig(tuple(c.rollout.branching))
   if 'heads' not in parse_proposers(c.rollout.proposers) and c.adaptation.mode != 'static':
@@ -190,15 +189,20 @@ class Rollouts:
 
 class HeadAdaptation:
   """The slow timescale between rollout batches: monitor + consolidation, or the
-  always-online baseline. Reflex (the fast timescale) lives inside the engine."""
+  always-online baseline. Reflex (the fast timescale) lives inside the engine.
+
+  `observe` reads the rollout's verifier feedback before the GRPO update and decides which
+  heads to train; only then does the update harvest pairs (the harvest costs ~19% of a W1
+  update), so a slow-path step without a trigger pays nothing for the heads."""
 
   def __init__(self, c, policy: Policy, heads_config: HeadsConfig, proposer):
     self.mode = c.adaptation.mode
     self.monitor_config = build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
-    self.consolidation_config = build(ConsolidationConfig, c.adaptation.consolidation,
-                                      'adaptation.consolidation')
+    # The always-online baseline is tuned on its own (WORKSPACE_NOTES, issue 15).
+    section = 'online' if self.mode == 'online' else 'consolidation'
+    self.consolidation_config = build(ConsolidationConfig, c.adaptation[section],
+                                      f'adaptation.{section}')
     self.branching = tuple(c.rollout.branching)
-    self.response_span = c.rollout.max_new_tokens + 1  # last prompt position + the response
     self.policy_config, self.heads_config = policy.config, heads_config
     self.proposer = proposer
 
@@ -210,37 +214,37 @@ class HeadAdaptation:
     return HeadsState(params=params,
                       monitor=MonitorState.init(self.monitor_config, len(self.branching)))
 
-  def update(self, heads: HeadsState, policy_params, responses, pairs, prompt_lengths, seed):
-    """Returns (heads, metrics) after one rollout batch; `pairs` are the GRPO forward's
-    harvest over whole rows, `prompt_lengths` the rows' prompt lengths."""
+  def observe(self, heads: HeadsState, responses):
+    """Returns (heads, triggered bool [num_heads], metrics) after one rollout batch."""
     window = monitor.window_stats(
         [self.proposer.head_stats(r.stats.proposer) for r in responses], self.branching)
     metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
                'head_regret': window.regret.round(4).tolist()}
-    if not self.harvests:
-      return heads, metrics
-    all_heads = np.ones(self.heads_config.num_heads, bool)
-    watch = heads.monitor
+    triggered = np.zeros(self.heads_config.num_heads, bool)
     if self.mode == 'online':
-      triggered = all_heads
-    else:
-      watch, triggered = monitor.observe(self.monitor_config, watch, window)
-      metrics['triggered'] = np.flatnonzero(triggered).tolist()
-      if not triggered.any():
-        return heads.replace(monitor=watch), metrics
-    mask = np.zeros_like(all_heads)
-    mask[:len(triggered)] = triggered
-    spans = response_spans(pairs, jnp.asarray(prompt_lengths, jnp.int32) - 1,
-                           self.response_span)
+      triggered[:] = True
+    elif self.harvests:
+      watch, observed = monitor.observe(self.monitor_config, heads.monitor, window)
+      triggered[:len(observed)] = observed
+      metrics['triggered'] = np.flatnonzero(observed).tolist()
+      heads = heads.replace(monitor=watch)
+    return heads, triggered, metrics
+
+  def consolidate(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
+    """Trains the triggered heads on the GRPO forward's harvest of the responses; `groups`
+    are the rows' prompt indices. Returns (heads, metrics)."""
     result = consolidation.consolidate(self.heads_config, self.policy_config,
                                        self.consolidation_config, heads.params, policy_params,
-                                       spans, mask, seed, rollback=self.mode != 'online')
+                                       pairs, triggered, seed, rollback=self.mode != 'online',
+                                       groups=groups)
+    watch, metrics = heads.monitor, {}
     if self.mode != 'online':
-      watch = monitor.after_update(self.monitor_config, watch, triggered,
-                                   result.kept[:len(triggered)])
-      metrics['kept'] = np.flatnonzero(result.kept).tolist()
-    metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
-                   head_kl_after=result.kl_after.round(4).tolist())
+      watched = len(self.branching)
+      watch = monitor.after_update(self.monitor_config, watch, triggered[:watched],
+                                   result.kept[:watched])
+      metrics.update(kept=np.flatnonzero(result.kept).tolist(),
+                     head_kl_before=result.kl_before.round(4).tolist(),
+                     head_kl_after=result.kl_after.round(4).tolist())
     return HeadsState(params=result.params, monitor=watch), metrics
 
 
@@ -371,7 +375,12 @@ def train(c, workdir) -> dict:
                 rollouts.driver.config, c.rollout.group_size, mesh)
   if uses_heads:
     adaptation = HeadAdaptation(c, policy, heads_config, rollouts.proposer)
-  config = grpo_config(c, c.adaptation.harvest_top_k if adaptation and adaptation.harvests else 0)
+  config = grpo_config(c, 0)
+  # The same update that also returns head-training pairs (the last prompt position and
+  # the response: every pair whose horizon lies in the response): a second compiled
+  # program, run on the steps whose heads were triggered.
+  harvest_config = dataclasses.replace(config, harvest_top_k=c.adaptation.harvest_top_k,
+                                       harvest_span=c.rollout.max_new_tokens + 1)
   optimizer = grpo.make_optimizer(config)
   # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
   base = shard_params(mesh, policy.params)
@@ -440,15 +449,22 @@ def train(c, workdir) -> dict:
             policy.config, reference, batch.tokens, config.temperature))
       jax.block_until_ready(batch)
       times['logprobs'] = time.perf_counter() - start
+      start = time.perf_counter()
+      heads, triggered, adapted = state.heads, None, {}
+      if adaptation is not None:
+        heads, triggered, adapted = adaptation.observe(heads, responses)
+      times['head_update'] = time.perf_counter() - start
+      harvest = triggered is not None and triggered.any()
+      step_config = harvest_config if harvest else config
       _phase(step + 1, 'update')
       start = time.perf_counter()
       if adapters is None:
         params, opt_state, update, pairs = grpo.train_step(
-            policy.config, config, state.policy, state.opt_state, batch, mesh=mesh)
+            policy.config, step_config, state.policy, state.opt_state, batch, mesh=mesh)
         new_policy, new_adapters = params, None
       else:
         params, opt_state, update, pairs = grpo.train_step(
-            policy.config, config, state.adapters, state.opt_state, batch, state.policy,
+            policy.config, step_config, state.adapters, state.opt_state, batch, state.policy,
             mesh=mesh)
         new_policy, new_adapters = state.policy, params
       jax.block_until_ready(params)
@@ -457,15 +473,16 @@ def train(c, workdir) -> dict:
         logging.warning('step %d: non-finite GRPO loss %s or gradient norm %s; the policy '
                         'update was rolled back (metrics: update_skipped)', step + 1,
                         float(update['loss']), float(update['grad_norm']))
-      start = time.perf_counter()
-      heads, adapted = state.heads, {}
-      if adaptation is not None:
+      if harvest:
         _phase(step + 1, 'head update')
+        start = time.perf_counter()
         # Pairs come from the pre-update policy's forward, so they are scored with it.
-        heads, adapted = adaptation.update(heads, policy_params, responses, pairs,
-                                           [len(p) for p in row_prompts], seed=step_seed(c, step))
+        heads, consolidated = adaptation.consolidate(
+            heads, triggered, policy_params, pairs, [r.prompt_index for r in responses],
+            seed=step_seed(c, step))
         jax.block_until_ready(heads)
-      times['head_update'] = time.perf_counter() - start
+        adapted.update(consolidated)
+        times['head_update'] += time.perf_counter() - start
       if c.metrics.drift_kl:
         adapted['drift_kl'] = drift_kl(policy.config, initial_policy, batch, config.temperature)
       state = TrainState(policy=new_policy, opt_state=opt_state, step=step + 1,

@@ -26,15 +26,23 @@ def top_targets(logits, top_k: int):
   return ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
 
 
+def span_positions(starts, length: int, width: int):
+  """Rows' positions [start, start + length) clipped to the row: (index [B, length], inside
+  [B, length], False where the span runs past the row)."""
+  index = starts[:, None] + jnp.arange(length)[None, :]
+  return jnp.minimum(index, width - 1), index < width
+
+
+def take_positions(x, index):
+  """x [B, T, ...] at per-row positions index [B, S] -> [B, S, ...]."""
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 @partial(jax.jit, static_argnums=2)
 def response_spans(pairs: HeadPairs, starts, length: int) -> HeadPairs:
   """Rows' positions [start, start + length): with start = the last prompt position this is
   every pair whose horizon lies in the response, at a fraction of a full-width batch's
   cost (prompts are most of a row's width in math tasks)."""
-  index = starts[:, None] + jnp.arange(length)[None, :]
-  inside = index < pairs.tokens.shape[1]
-  index = jnp.minimum(index, pairs.tokens.shape[1] - 1)
-  take = lambda x: jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)),
-                                       axis=1)
-  spans = jax.tree.map(take, pairs)
+  index, inside = span_positions(starts, length, pairs.tokens.shape[1])
+  spans = jax.tree.map(lambda x: take_positions(x, index), pairs)
   return spans.replace(valid=spans.valid & inside)
