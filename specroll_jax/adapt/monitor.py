@@ -14,8 +14,8 @@ Gradual drift rarely crosses that level (on W1 a static head's acceptance falls 
 still pays. So a head is also probed: `probe_interval` windows after its last update it
 is consolidated anyway, and the consolidation's held-out check is the test. A probe that
 is rolled back doubles the head's interval (up to `max_probe_interval`); one that is kept
-resets it. What a trigger does is consolidation.py. The monitor state is a pytree of arrays and rides in the trainer's Orbax
-checkpoint.
+resets it. What a trigger does is consolidation.py. The monitor state is a pytree of
+arrays and rides in the trainer's Orbax checkpoint.
 """
 import dataclasses
 
