@@ -46,13 +46,14 @@ def get_config():
       # continuations, merged into one tree.
       proposers='heads,group', group=section(GroupDraftConfig)))
   c.heads = ml_collections.ConfigDict(dict(
-      num_heads=4, num_sequences=512, held_out=64, steps=600))
+      num_heads=4, num_sequences=512, held_out=64, steps=600, batch_size=32))
   # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),
-      # The always-online baseline's retraining after every batch (mode=online).
-      online=section(ConsolidationConfig)))
+      # The always-online baseline's retraining after every batch (mode=online): every
+      # update kept, sized for its best end-to-end time (WORKSPACE_NOTES, "Adaptation").
+      online=section(ConsolidationConfig, steps=4, batch_size=8, rollback=False)))
   # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
   # fsdp x tensor; -1 = every device the other axes leave.
   c.mesh = section(MeshConfig)

@@ -1,5 +1,7 @@
 """Slow path: triggers only on sustained degradation, trains only the triggered heads, rolls
 back a harmful update, and learns from pairs the GRPO forward already computed."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,11 @@ def learner_batch(stories_policy):
   return batch
 
 
+def _fresh(config, heads):
+  """The heads' optimizer state before any update."""
+  return consolidation.init_optimizer_state(config, heads)
+
+
 def _harvest(policy, batch, **config):
   config = grpo.GRPOConfig(group_size=4, micro_batch_size=8, harvest_top_k=16,
                            learning_rate=1e-3, **config)
@@ -166,8 +173,8 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
   pairs, heads_config, heads = pairs_and_heads
   before = jax.tree.map(np.array, policy.params)
   config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3)
-  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
-                                     pairs, np.array([False, True, False]), seed=0)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads,
+                                     _fresh(config, heads), policy.params, pairs, np.array([False, True, False]), seed=0)
   for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(policy.params)):
     np.testing.assert_array_equal(old, new)
   assert result.kept.tolist() == [False, True, False], (result.kl_before, result.kl_after)
@@ -182,9 +189,9 @@ def test_a_non_finite_head_update_is_rolled_back_even_without_rollback(stories_p
                                                                        pairs_and_heads):
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
-  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=float('inf'))
-  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
-                                     pairs, np.ones(HEADS, bool), seed=0, rollback=False)
+  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=float('inf'), rollback=False)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads,
+                                     _fresh(config, heads), policy.params, pairs, np.ones(HEADS, bool), seed=0)
   assert result.kl_after is None and not result.kept.any()
   for name in heads:
     np.testing.assert_array_equal(result.params[name], heads[name])
@@ -198,14 +205,14 @@ def test_held_out_rows_are_whole_prompt_groups(stories_policy, pairs_and_heads, 
   real = consolidation.held_out_kl
   monkeypatch.setattr(consolidation, 'held_out_kl',
                       lambda *a: seen.append(np.asarray(a[-1].tokens)) or real(*a))
-  consolidation.consolidate(heads_config, policy.config, ConsolidationConfig(steps=2, batch_size=4),
-                            heads, policy.params, pairs, np.ones(HEADS, bool), seed=1,
-                            groups=groups)
+  config = ConsolidationConfig(steps=2, batch_size=4)
+  consolidation.consolidate(heads_config, policy.config, config, heads, _fresh(config, heads),
+                            policy.params, pairs, np.ones(HEADS, bool), seed=1, groups=groups)
   held = [i for i in range(len(groups))
           if any(np.array_equal(np.asarray(pairs.tokens[i]), t) for t in seen[0])]
   assert len(held) == 4 and len(set(groups[held])) == 1, held
   with pytest.raises(ValueError, match='groups has shape'):
-    consolidation.consolidate(heads_config, policy.config, ConsolidationConfig(), heads,
+    consolidation.consolidate(heads_config, policy.config, config, heads, _fresh(config, heads),
                               policy.params, pairs, np.ones(HEADS, bool), seed=1,
                               groups=groups[:3])
 
@@ -218,11 +225,11 @@ def test_online_trains_on_every_row_and_keeps_every_head(stories_policy, pairs_a
   trained = []
   real = consolidation._train
   monkeypatch.setattr(consolidation, '_train',
-                      lambda *a: trained.append(a[5].tokens.shape[0]) or real(*a))
-  result = consolidation.consolidate(heads_config, policy.config,
-                                     ConsolidationConfig(steps=2, batch_size=4), heads,
-                                     policy.params, pairs, np.ones(HEADS, bool), seed=0,
-                                     rollback=False)
+                      lambda *a: trained.append(a[6].tokens.shape[0]) or real(*a))
+  config = ConsolidationConfig(steps=2, batch_size=4, rollback=False)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads,
+                                     _fresh(config, heads), policy.params, pairs,
+                                     np.ones(HEADS, bool), seed=0)
   assert trained == [pairs.tokens.shape[0]] and result.kept.all() and result.kl_before is None
   for h in range(HEADS):
     assert not np.array_equal(result.params['w2'][h], heads['w2'][h])
@@ -232,9 +239,39 @@ def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
   config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=30.0)
-  result = consolidation.consolidate(heads_config, policy.config, config, heads, policy.params,
-                                     pairs, np.ones(HEADS, bool), seed=0)
+  result = consolidation.consolidate(heads_config, policy.config, config, heads,
+                                     _fresh(config, heads), policy.params, pairs, np.ones(HEADS, bool), seed=0)
   assert (result.kl_after > result.kl_before).all(), (result.kl_before, result.kl_after)
   assert not result.kept.any()
   for name in heads:
     np.testing.assert_array_equal(result.params[name], heads[name])
+
+
+def test_persistent_optimizer_carries_the_kept_heads_moments_only(stories_policy,
+                                                                   pairs_and_heads):
+  """Consecutive updates continue one Adam run: the step count accumulates, a trained and
+  kept head's moments move, and a head that was not trained keeps its moments bit for bit;
+  without persistence the stored state is never touched."""
+  policy = stories_policy
+  pairs, heads_config, heads = pairs_and_heads
+  config = ConsolidationConfig(steps=3, batch_size=8, learning_rate=3e-3,
+                               persistent_optimizer=True)
+  mask = np.array([True, True, False])
+  state = _fresh(config, heads)
+  for seed in range(2):
+    result = consolidation.consolidate(heads_config, policy.config, config, heads, state,
+                                       policy.params, pairs, mask, seed=seed)
+    heads, state = result.params, result.opt_state
+  assert result.kept[:2].all(), (result.kl_before, result.kl_after)
+  adam = state[1][0]
+  assert int(adam.count) == 2 * config.steps
+  for moment in (adam.mu, adam.nu):
+    for name, x in moment.items():
+      x = np.asarray(x)
+      assert np.abs(x[:2]).max() > 0, name
+      np.testing.assert_array_equal(x[2], 0.0, err_msg=name)
+  fresh = _fresh(config, heads)
+  result = consolidation.consolidate(
+      heads_config, policy.config, dataclasses.replace(config, persistent_optimizer=False),
+      heads, fresh, policy.params, pairs, mask, seed=0)
+  assert result.opt_state is fresh

@@ -77,10 +77,10 @@ def _slow_path_update(policy, params):
   rng = np.random.default_rng(0)
   sequences = [list(rng.integers(1, policy.config.vocab_size, 24)) for _ in range(8)]
   pairs = distill.build_batch(policy.config, policy.params, sequences, 24, 8)
-  return consolidation.consolidate(HEADS, policy.config,
-                                   ConsolidationConfig(steps=3, batch_size=4), params,
-                                   policy.params, pairs, np.ones(4, bool), seed=0,
-                                   rollback=False).params
+  config = ConsolidationConfig(steps=3, batch_size=4, rollback=False)
+  return consolidation.consolidate(HEADS, policy.config, config, params,
+                                   consolidation.init_optimizer_state(config, params),
+                                   policy.params, pairs, np.ones(4, bool), seed=0).params
 
 
 def _heads(policy, kind: str):

@@ -4,9 +4,15 @@ An update trains only the triggered heads (Optax over the head pytree, the other
 gradients masked out) on pairs the GRPO step's own forward produced (rl/grpo.py,
 `harvest_top_k`): KL(p || q_k) + lambda_tok CE + lambda_prox ||phi - phi_anchor||^2. It is
 kept per head only if the held-out KL improves; otherwise that head rolls back to the anchor.
+
+The heads' Adam state can persist from one update to the next (`persistent_optimizer`), so
+that a run's small updates continue one optimisation. A fresh Adam moves every parameter by
+~lr on its first steps whatever the gradient's size (m / sqrt(v) = sign(g) at step one), so a
+4-step update from fresh moments is mostly a sign step on one batch's noise.
 """
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +34,12 @@ class ConsolidationConfig:
   ce_weight: float = 1.0          # lambda_tok
   prox_weight: float = 1e-2       # lambda_prox, per parameter (mean squared distance)
   held_out_fraction: float = 0.25
+  # Hold out whole prompt groups and roll back each head whose held-out KL does not improve;
+  # False keeps every update whose parameters stay finite (the always-online rule).
+  rollback: bool = True
+  # Carry Adam's moments from one update to the next (HeadsState.opt_state) instead of
+  # starting each update from fresh ones.
+  persistent_optimizer: bool = False
 
   def __post_init__(self):
     if not 0.0 < self.held_out_fraction < 1.0:
@@ -56,11 +68,36 @@ def _loss(heads_config, model_config, config: ConsolidationConfig, mask, anchor,
   return jnp.sum(mask * (per_head + config.prox_weight * proximal)) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def make_optimizer(config: ConsolidationConfig) -> optax.GradientTransformation:
+  return distill.make_optimizer(_distill_config(config))
+
+
+def init_optimizer_state(config: ConsolidationConfig, head_params):
+  """The heads' Adam state before their first update (zero moments)."""
+  return make_optimizer(config).init(head_params)
+
+
+def _where_heads(keep, new, old):
+  """Per head (head axis first): `new` where keep [H] else `old`."""
+  return jax.tree.map(lambda n, o: jnp.where(keep.reshape((-1,) + (1,) * (n.ndim - 1)) > 0, n, o),
+                      new, old)
+
+
+def _where_head_moments(config: ConsolidationConfig, keep, new, old):
+  """`_where_heads` for the optimizer state: its moments mirror the head parameters; its step
+  count is shared by all heads and taken from `new`."""
+  is_moment = optax.tree_map_params(make_optimizer(config), lambda _: True, new,
+                                    transform_non_params=lambda _: False)
+  return jax.tree.map(lambda moment, n, o: _where_heads(keep, n, o) if moment else n,
+                      is_moment, new, old)
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
-           policy_params, batch: HeadPairs, mask, order):
-  """`order` [steps, batch_size] row indices; Optax on the head pytree, masked per head."""
-  optimizer = distill.make_optimizer(_distill_config(config))
+           opt_state, policy_params, batch: HeadPairs, mask, order):
+  """`order` [steps, batch_size] row indices; Optax on the head pytree, masked per head.
+  Returns (params, optimizer state, last loss)."""
+  optimizer = make_optimizer(config)
   anchor = head_params
 
   def step(carry, rows):
@@ -73,8 +110,8 @@ def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig,
     # Adam's update of a zero gradient is zero; masking again keeps frozen heads bit-exact.
     return (optax.apply_updates(params, _per_head(updates, mask)), opt_state), loss
 
-  (params, _), losses = jax.lax.scan(step, (head_params, optimizer.init(head_params)), order)
-  return params, losses[-1]
+  (params, opt_state), losses = jax.lax.scan(step, (head_params, opt_state), order)
+  return params, opt_state, losses[-1]
 
 
 @partial(jax.jit, static_argnums=(0, 1))
@@ -89,6 +126,7 @@ def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_par
 @dataclasses.dataclass(frozen=True)
 class Consolidation:
   params: dict
+  opt_state: Any          # the heads' optimizer state after the update (rolled back per head)
   kept: np.ndarray        # bool [H] updated heads whose held-out KL improved
   kl_before: np.ndarray | None  # [H] held-out KL (None without rollback: nothing held out)
   kl_after: np.ndarray | None   # [H] held-out KL of the trained (pre-rollback) heads
@@ -102,12 +140,14 @@ def _finite_heads(head_params) -> np.ndarray:
 
 
 def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
-                policy_params, pairs: HeadPairs, heads_mask, seed: int,
-                rollback: bool = True, groups=None) -> Consolidation:
+                opt_state, policy_params, pairs: HeadPairs, heads_mask, seed: int,
+                groups=None) -> Consolidation:
   """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves.
 
-  rollback=False is the always-online baseline: it trains on every row, holds none out and
-  keeps every trained head whose parameters stay finite (kl_before / kl_after are then None).
+  `opt_state` is the heads' optimizer state from the last update (used only with
+  `config.persistent_optimizer`). With `config.rollback` False (the always-online
+  baseline) it trains on every row, holds none out and keeps every trained head whose
+  parameters stay finite (kl_before / kl_after are then None).
 
   `groups` [rows] names each row's prompt (None: every row its own). Whole groups are held
   out: a GRPO group's samples share their prompt's text, so a held-out row of a trained
@@ -119,7 +159,7 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
     raise ValueError(f'groups has shape {groups.shape}, expected ({rows},) like the pairs')
   rng = np.random.default_rng(seed)
   held_out_rows = np.zeros(rows, bool)
-  if rollback:
+  if config.rollback:
     names = np.unique(groups)
     held = max(1, int(round(len(names) * config.held_out_fraction)))
     if len(names) - held < 1:
@@ -131,10 +171,11 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
   order = np.stack([rng.choice(len(train_rows), min(config.batch_size, len(train_rows)),
                                replace=False) for _ in range(config.steps)])
   mask = jnp.asarray(heads_mask, jnp.float32)
-  trained, loss = _train(heads_config, model_config, config, head_params, policy_params, train,
-                         mask, jnp.asarray(order))
+  start = opt_state if config.persistent_optimizer else init_optimizer_state(config, head_params)
+  trained, trained_state, loss = _train(heads_config, model_config, config, head_params, start,
+                                        policy_params, train, mask, jnp.asarray(order))
   before = after = None
-  if rollback:
+  if config.rollback:
     held_out = take(held_rows)
     before = to_host(held_out_kl(heads_config, model_config, head_params, policy_params,
                                  held_out))
@@ -143,7 +184,9 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
   else:
     kept = heads_mask & _finite_heads(trained)
   keep = jnp.asarray(kept, jnp.float32)
-  params = jax.tree.map(lambda new, old: jnp.where(
-      keep.reshape((-1,) + (1,) * (new.ndim - 1)) > 0, new, old), trained, head_params)
-  return Consolidation(params=params, kept=kept, kl_before=before, kl_after=after,
-                       loss=float(loss))
+  # A rolled-back head also keeps its old moments: the rejected step must not echo through
+  # momentum into the next update.
+  if config.persistent_optimizer:
+    opt_state = _where_head_moments(config, keep, trained_state, opt_state)
+  return Consolidation(params=_where_heads(keep, trained, head_params), opt_state=opt_state,
+                       kept=kept, kl_before=before, kl_after=after, loss=float(loss))

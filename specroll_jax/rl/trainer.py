@@ -62,6 +62,7 @@ ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
 @struct.dataclass
 class HeadsState:
   params: dict           # the horizon heads, as the slow path has adapted them
+  opt_state: Any         # their optimizer state (consolidation.persistent_optimizer)
   monitor: MonitorState  # the slow path's monitor
 
 
@@ -210,8 +211,12 @@ class HeadAdaptation:
   def harvests(self) -> bool:
     return self.mode in ('online', 'slow', 'both')
 
-  def init_state(self, params) -> HeadsState:
-    return HeadsState(params=params,
+  def init_state(self, params, mesh) -> HeadsState:
+    config = self.consolidation_config
+    opt_state = consolidation.init_optimizer_state(config, params)
+    opt_state = jax.device_put(opt_state, optimizer_sharding(
+        mesh, consolidation.make_optimizer(config), opt_state, head_sharding(mesh, params)))
+    return HeadsState(params=params, opt_state=opt_state,
                       monitor=MonitorState.init(self.monitor_config, len(self.branching)))
 
   def observe(self, heads: HeadsState, responses):
@@ -234,18 +239,18 @@ class HeadAdaptation:
     """Trains the triggered heads on the GRPO forward's harvest of the responses; `groups`
     are the rows' prompt indices. Returns (heads, metrics)."""
     result = consolidation.consolidate(self.heads_config, self.policy_config,
-                                       self.consolidation_config, heads.params, policy_params,
-                                       pairs, triggered, seed, rollback=self.mode != 'online',
-                                       groups=groups)
+                                       self.consolidation_config, heads.params, heads.opt_state,
+                                       policy_params, pairs, triggered, seed, groups=groups)
     watch, metrics = heads.monitor, {}
     if self.mode != 'online':
       watched = len(self.branching)
       watch = monitor.after_update(self.monitor_config, watch, triggered[:watched],
                                    result.kept[:watched])
-      metrics.update(kept=np.flatnonzero(result.kept).tolist(),
-                     head_kl_before=result.kl_before.round(4).tolist(),
+      metrics['kept'] = np.flatnonzero(result.kept).tolist()
+    if result.kl_before is not None:
+      metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
                      head_kl_after=result.kl_after.round(4).tolist())
-    return HeadsState(params=result.params, monitor=watch), metrics
+    return HeadsState(params=result.params, opt_state=result.opt_state, monitor=watch), metrics
 
 
 def resolve_policy(c) -> Path:
@@ -267,8 +272,8 @@ def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Pat
                    max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                    seed=c.seed)
   heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads),
-                                      DistillConfig(steps=h.steps), prompts, plan, directory,
-                                      str(source))
+                                      DistillConfig(steps=h.steps, batch_size=h.batch_size),
+                                      prompts, plan, directory, str(source))
   return heads_config, params, directory
 
 
@@ -395,7 +400,7 @@ def train(c, workdir) -> dict:
   if uses_heads:
     heads = jax.device_put(heads, head_sharding(mesh, heads))
   state = TrainState(policy=base, opt_state=opt_state, step=0, data_position=0,
-                     heads=None if adaptation is None else adaptation.init_state(heads),
+                     heads=None if adaptation is None else adaptation.init_state(heads, mesh),
                      adapters=adapters)
   initial_policy = base
   reference = base if config.kl_coef > 0 else None
