@@ -51,9 +51,9 @@ def get_config():
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),
-      # The always-online baseline's retraining after every batch (mode=online): every
-      # update kept, sized for its best end-to-end time (WORKSPACE_NOTES, "Adaptation").
-      online=section(ConsolidationConfig, steps=4, batch_size=8, rollback=False)))
+      # The always-online baseline's retraining after every batch (mode=online), tuned on
+      # its own for its best end-to-end time (WORKSPACE_NOTES, "Adaptation").
+      online=section(ConsolidationConfig)))
   # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
   # fsdp x tensor; -1 = every device the other axes leave.
   c.mesh = section(MeshConfig)

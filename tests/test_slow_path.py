@@ -39,14 +39,14 @@ def _healthy(i, proposed=(True,) * HEADS):
 
 
 def test_no_trigger_on_a_transient_dip():
-  config = MonitorConfig()
+  config = MonitorConfig(probe_interval=0)
   windows = [_healthy(i) for i in range(6)] + [_window(0.40, 0.62)] + [_healthy(i) for i in range(6)]
   _, triggers = _feed(config, windows)
   assert not any(triggers)
 
 
 def test_trigger_on_a_sustained_dip_then_cooldown():
-  config = MonitorConfig(patience=2, cooldown=3)
+  config = MonitorConfig(patience=2, cooldown=3, probe_interval=0)
   windows = [_healthy(i) for i in range(6)] + [_window(0.40, 0.62)] * 3
   state, triggers = _feed(config, windows)
   assert triggers == [False] * 7 + [True, True]
@@ -77,7 +77,7 @@ def test_probes_come_on_schedule_and_back_off_after_a_rollback():
 
 
 def test_inactive_heads_neither_calibrate_nor_trigger():
-  config = MonitorConfig(patience=1)
+  config = MonitorConfig(patience=1, probe_interval=0)
   state = MonitorState.init(config, HEADS)
   active = (True, False, True)
   for i in range(4):
@@ -172,7 +172,7 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
   before = jax.tree.map(np.array, policy.params)
-  config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3)
+  config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3, rollback=True)
   result = consolidation.consolidate(heads_config, policy.config, config, heads,
                                      _fresh(config, heads), policy.params, pairs, np.array([False, True, False]), seed=0)
   for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(policy.params)):
@@ -205,7 +205,7 @@ def test_held_out_rows_are_whole_prompt_groups(stories_policy, pairs_and_heads, 
   real = consolidation.held_out_kl
   monkeypatch.setattr(consolidation, 'held_out_kl',
                       lambda *a: seen.append(np.asarray(a[-1].tokens)) or real(*a))
-  config = ConsolidationConfig(steps=2, batch_size=4)
+  config = ConsolidationConfig(steps=2, batch_size=4, rollback=True)
   consolidation.consolidate(heads_config, policy.config, config, heads, _fresh(config, heads),
                             policy.params, pairs, np.ones(HEADS, bool), seed=1, groups=groups)
   held = [i for i in range(len(groups))
@@ -238,7 +238,7 @@ def test_online_trains_on_every_row_and_keeps_every_head(stories_policy, pairs_a
 def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
-  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=30.0)
+  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=30.0, rollback=True)
   result = consolidation.consolidate(heads_config, policy.config, config, heads,
                                      _fresh(config, heads), policy.params, pairs, np.ones(HEADS, bool), seed=0)
   assert (result.kl_after > result.kl_before).all(), (result.kl_before, result.kl_after)
@@ -254,7 +254,7 @@ def test_persistent_optimizer_carries_the_kept_heads_moments_only(stories_policy
   without persistence the stored state is never touched."""
   policy = stories_policy
   pairs, heads_config, heads = pairs_and_heads
-  config = ConsolidationConfig(steps=3, batch_size=8, learning_rate=3e-3,
+  config = ConsolidationConfig(steps=3, batch_size=8, learning_rate=3e-3, rollback=True,
                                persistent_optimizer=True)
   mask = np.array([True, True, False])
   state = _fresh(config, heads)

@@ -35,7 +35,7 @@ class MonitorConfig:
   calibration_windows: int = 2    # windows averaged into a fresh baseline
   history: int = 8                # regret windows kept for the robust z-score
   min_regret_scale: float = 0.01  # floor of the robust scale (a quiet history is not 0 noise)
-  probe_interval: int = 0         # windows between probe consolidations of a head; 0 = none
+  probe_interval: int = 4         # windows between probe consolidations of a head; 0 = none
   max_probe_interval: int = 64    # the interval's cap after repeated rollbacks
 
   def __post_init__(self):
