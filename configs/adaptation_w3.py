@@ -7,8 +7,8 @@ A real instruct model drifts under GRPO differently from the from-scratch W1 pol
 run asks whether Reflex's gates open there (delayed alignment, gate activity) and what it
 buys. The tasks are the synthetic easy split as chat turns, not GSM8K: the 135M model
 answers almost no GSM8K question, so nearly every group's advantages are zero and GRPO would
-not move the policy. Sized for a 2-core CPU: each GRPO update of the 135M model over 16 rows takes tens of
-seconds, and the heads are warm-started on 96 of the policy's own answers (each distillation
+not move the policy. Sized for a 2-core CPU: each GRPO update of the 135M model over 16 rows
+takes tens of seconds, and the heads are warm-started on 96 of the policy's own answers (each distillation
 step projects every position onto the 49,152-token vocabulary).
 """
 from configs.ablation_w1 import get_config as ablation_config

@@ -47,9 +47,11 @@ def get_config():
       proposers='heads,group', group=section(GroupDraftConfig)))
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, num_sequences=512, held_out=64, steps=600, batch_size=32))
-  # Head adaptation (trainer.ADAPTATION_MODES): both = Reflex in the rollout + slow path.
+  # Head adaptation (trainer.ADAPTATION_MODES): slow = the slow path alone. Reflex
+  # (mode=reflex|both) is off: on W1 its gates never open and it costs generation time
+  # (WORKSPACE_NOTES, "Issue 15").
   c.adaptation = ml_collections.ConfigDict(dict(
-      mode='both', harvest_top_k=32, reflex=section(ReflexConfig),
+      mode='slow', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),
       # The always-online baseline's retraining after every batch (mode=online), tuned on
       # its own for its best end-to-end time (WORKSPACE_NOTES, "Adaptation").

@@ -49,9 +49,11 @@ def _final_params(workdir):
                                          args=ocp.args.StandardRestore())['policy'])
 
 
-# Forces the slow path to consolidate on every window after the first, so Reflex and head
-# updates both run inside the compared training.
-ALWAYS_TRIGGER = {'adaptation.monitor.drop': -1.0, 'adaptation.monitor.regret_z': -1e9,
+# Both timescales (Reflex is off in the main job's default), the slow path forced to
+# consolidate on every window after the first, so Reflex and head updates both run inside
+# the compared training.
+ALWAYS_TRIGGER = {'adaptation.mode': 'both',
+                  'adaptation.monitor.drop': -1.0, 'adaptation.monitor.regret_z': -1e9,
                   'adaptation.monitor.patience': 1, 'adaptation.monitor.cooldown': 0,
                   'adaptation.monitor.calibration_windows': 1,
                   'adaptation.consolidation.steps': 3, 'adaptation.consolidation.batch_size': 4,
