@@ -8,8 +8,10 @@ run asks whether Reflex's gates open there (delayed alignment, gate activity) an
 buys. The tasks are the synthetic easy split as chat turns, not GSM8K: the 135M model
 answers almost no GSM8K question, so nearly every group's advantages are zero and GRPO would
 not move the policy. Sized for a 2-core CPU: each GRPO update of the 135M model over 16 rows
-takes tens of seconds, and the heads are warm-started on 96 of the policy's own answers (each distillation
-step projects every position onto the 49,152-token vocabulary).
+takes tens of seconds, and the heads are warm-started on 96 of the policy's own answers
+(each distillation step projects every position onto the 49,152-token vocabulary).
+Measured (results/adaptation_w3, 4 of 8 steps): even these tasks earned 2 rewards in 64,
+so the policy barely drifted (KL 0.0009).
 """
 from configs.ablation_w1 import get_config as ablation_config
 

@@ -174,7 +174,8 @@ def test_update_changes_only_triggered_heads_and_never_the_policy(stories_policy
   before = jax.tree.map(np.array, policy.params)
   config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3, rollback=True)
   result = consolidation.consolidate(heads_config, policy.config, config, heads,
-                                     _fresh(config, heads), policy.params, pairs, np.array([False, True, False]), seed=0)
+                                     _fresh(config, heads), policy.params, pairs,
+                                     np.array([False, True, False]), seed=0)
   for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(policy.params)):
     np.testing.assert_array_equal(old, new)
   assert result.kept.tolist() == [False, True, False], (result.kl_before, result.kl_after)
@@ -191,7 +192,8 @@ def test_a_non_finite_head_update_is_rolled_back_even_without_rollback(stories_p
   pairs, heads_config, heads = pairs_and_heads
   config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=float('inf'), rollback=False)
   result = consolidation.consolidate(heads_config, policy.config, config, heads,
-                                     _fresh(config, heads), policy.params, pairs, np.ones(HEADS, bool), seed=0)
+                                     _fresh(config, heads), policy.params, pairs,
+                                     np.ones(HEADS, bool), seed=0)
   assert result.kl_after is None and not result.kept.any()
   for name in heads:
     np.testing.assert_array_equal(result.params[name], heads[name])
@@ -240,7 +242,8 @@ def test_harmful_update_is_rolled_back(stories_policy, pairs_and_heads):
   pairs, heads_config, heads = pairs_and_heads
   config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=30.0, rollback=True)
   result = consolidation.consolidate(heads_config, policy.config, config, heads,
-                                     _fresh(config, heads), policy.params, pairs, np.ones(HEADS, bool), seed=0)
+                                     _fresh(config, heads), policy.params, pairs,
+                                     np.ones(HEADS, bool), seed=0)
   assert (result.kl_after > result.kl_before).all(), (result.kl_before, result.kl_after)
   assert not result.kept.any()
   for name in heads:
