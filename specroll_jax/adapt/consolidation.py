@@ -2,8 +2,9 @@
 
 An update trains only the triggered heads (Optax over the head pytree, the other heads'
 gradients masked out) on pairs the GRPO step's own forward produced (rl/grpo.py,
-`harvest_top_k`): KL(p || q_k) + lambda_tok CE + lambda_prox ||phi - phi_anchor||^2. It is
-kept per head only if the held-out KL improves; otherwise that head rolls back to the anchor.
+`harvest_top_k`): KL(p || q_k) + lambda_tok CE + lambda_prox ||phi - phi_anchor||^2. A head
+whose parameters are not finite afterwards rolls back to the anchor; with `rollback`, so
+does one whose held-out KL does not improve.
 
 The heads' Adam state can persist from one update to the next (`persistent_optimizer`), so
 that a run's small updates continue one optimisation. A fresh Adam moves every parameter by
@@ -55,10 +56,14 @@ def _distill_config(config: ConsolidationConfig) -> DistillConfig:
                        batch_size=config.batch_size, steps=config.steps)
 
 
+def _along_heads(mask, x):
+  """A per-head vector [H] shaped to broadcast against a head tensor (head axis first)."""
+  return mask.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
 def _per_head(tree, mask):
-  """Multiplies every head tensor (head axis first) by a per-head mask."""
-  return jax.tree.map(lambda x: x * mask.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype),
-                      tree)
+  """Multiplies every head tensor by a per-head mask."""
+  return jax.tree.map(lambda x: x * _along_heads(mask, x).astype(x.dtype), tree)
 
 
 def _loss(heads_config, model_config, config: ConsolidationConfig, mask, anchor, head_params,
@@ -83,8 +88,7 @@ def init_optimizer_state(config: ConsolidationConfig, head_params):
 
 def _where_heads(keep, new, old):
   """Per head (head axis first): `new` where keep [H] else `old`."""
-  return jax.tree.map(lambda n, o: jnp.where(keep.reshape((-1,) + (1,) * (n.ndim - 1)) > 0, n, o),
-                      new, old)
+  return jax.tree.map(lambda n, o: jnp.where(_along_heads(keep, n) > 0, n, o), new, old)
 
 
 def _where_head_moments(config: ConsolidationConfig, keep, new, old):
@@ -131,7 +135,7 @@ def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_par
 class Consolidation:
   params: dict
   opt_state: Any          # the heads' optimizer state after the update (rolled back per head)
-  kept: np.ndarray        # bool [H] updated heads whose held-out KL improved
+  kept: np.ndarray        # bool [H] updated heads kept (finite; with rollback, KL improved)
   kl_before: np.ndarray | None  # [H] held-out KL (None without rollback: nothing held out)
   kl_after: np.ndarray | None   # [H] held-out KL of the trained (pre-rollback) heads
   loss: float
@@ -146,7 +150,8 @@ def _finite_heads(head_params) -> np.ndarray:
 def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
                 opt_state, policy_params, pairs: HeadPairs, heads_mask, seed: int,
                 groups=None) -> Consolidation:
-  """Trains the heads in `heads_mask` on `pairs`; keeps a head only if held-out KL improves.
+  """Trains the heads in `heads_mask` on `pairs`; with `config.rollback` keeps a head only if
+  its held-out KL improves.
 
   `opt_state` is the heads' optimizer state from the last update (used only with
   `config.persistent_optimizer`). With `config.rollback` False (the always-online

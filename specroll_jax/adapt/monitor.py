@@ -12,9 +12,10 @@ cooling down after an update: transient dips are Reflex's job.
 Gradual drift rarely crosses that level (on W1 a static head's acceptance falls ~0.03 in
 60 windows against a window-to-window spread of 0.02-0.05), while retraining on fresh pairs
 still pays. So a head is also probed: `probe_interval` windows after its last update it
-is consolidated anyway, and the consolidation's held-out check is the test. A probe that
-is rolled back doubles the head's interval (up to `max_probe_interval`); one that is kept
-resets it. What a trigger does is consolidation.py. The monitor state is a pytree of
+is consolidated anyway (with the default interval of 4, calibration and cooldown then leave
+the level no window to trigger in). A probe that is rolled back (not finite, or with
+`ConsolidationConfig.rollback` a held-out KL that did not improve) doubles the head's
+interval (up to `max_probe_interval`); one that is kept resets it. What a trigger does is consolidation.py. The monitor state is a pytree of
 arrays and rides in the trainer's Orbax checkpoint.
 """
 import dataclasses
