@@ -5,11 +5,13 @@
 import ml_collections
 
 from experiments.common import DEFAULT_CHECKPOINT
+from specroll_jax.tasks.paths import REPO_DIR
 
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.checkpoint = str(DEFAULT_CHECKPOINT)
+  # Relative to the repository (where experiments run), so results record no machine path.
+  c.checkpoint = str(DEFAULT_CHECKPOINT.relative_to(REPO_DIR))
   c.heads_dir = 'workdir/heads_stories260K'  # trained (and cached) here when missing
   c.heads = ml_collections.ConfigDict(dict(
       prompts='bos', num_heads=4, num_sequences=512, held_out=64, max_new_tokens=256,

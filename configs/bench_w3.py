@@ -15,7 +15,7 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.checkpoint = 'workdir/models/smollm2-135m-instruct'
-  c.data_dir = ml_collections.FieldReference(None, field_type=str)  # None: ../shared/data
+  c.data_dir = ml_collections.FieldReference(None, field_type=str)  # None: $SPECROLL_DATA_DIR, then ../shared/data
   c.prompts = 'gsm8k'           # GSM8K test questions
   c.chat_template = True
   c.num_prompts = 16

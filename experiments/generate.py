@@ -1,6 +1,6 @@
 """Samples G responses per prompt from an HF checkpoint and writes them as JSONL.
 
-  python -m experiments.generate --checkpoint=../shared/models/stories260K \
+  python -m experiments.generate --checkpoint=specroll_jax/tasks/stories260K \
       --prompts=prompts.jsonl --num_samples=4 --out=samples.jsonl
 """
 import dataclasses

@@ -1,6 +1,6 @@
 """Measures the verification capacity C_hw of a policy on this machine and caches it.
 
-  python -m experiments.profile_capacity --checkpoint=../shared/models/stories260K
+  python -m experiments.profile_capacity --checkpoint=specroll_jax/tasks/stories260K
 
 Always measures afresh (replacing any cached profile for this model and hardware), then
 prints latency against total tokens per batch and the chosen C_hw.

@@ -1,6 +1,6 @@
 """Warm-starts horizon heads by self-distillation on the policy's own sampled generations.
 
-  python -m experiments.train_heads --checkpoint=../shared/models/stories260K --out=workdir/heads
+  python -m experiments.train_heads --checkpoint=specroll_jax/tasks/stories260K --out=workdir/heads
 
 Generates `--num_sequences` responses with the vanilla engine (from `--prompts`, or from BOS
 alone when no prompts file is given), runs one policy forward over them for the targets,

@@ -10,9 +10,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from specroll_jax.tasks import paths  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / 'shared'
-STORIES = SHARED / 'models' / 'stories260K'
+STORIES = paths.STORIES260K_DIR
+# The first rows of every dataset file, in a data directory's layout (see its README).
+FIXTURE_DATA = REPO / 'tests' / 'fixtures' / 'data'
+needs_full_data = pytest.mark.skipif(
+    not paths.data_dir_exists(),
+    reason=f'the full datasets are not here: set {paths.DATA_DIR_VARIABLE} or place them at '
+           f'{paths.DEFAULT_DATA_DIR}')
 
 
 @pytest.fixture(scope='session')

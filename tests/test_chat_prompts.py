@@ -5,6 +5,7 @@ import pytest
 
 from specroll_jax.tasks import data
 from specroll_jax.tasks.sources import load_tasks
+from tests.conftest import FIXTURE_DATA
 
 # A ChatML-style template, as SmolLM2-Instruct's tokenizer carries.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -30,11 +31,11 @@ def test_base_models_keep_raw_prompts_and_instruct_models_get_a_user_turn(storie
 
 
 def test_chat_task_prompts_ask_for_the_answer_format_the_reward_reads():
-  gsm8k = data.load_dataset('gsm8k', split='test', chat=True).examples[0]
+  gsm8k = data.load_dataset('gsm8k', FIXTURE_DATA, split='test', chat=True).examples[0]
   assert gsm8k.prompt.endswith("End your answer with '#### <number>', where <number> is the "
                                'final numerical answer.')
   assert 'Question:' not in gsm8k.prompt and 'Answer:' not in gsm8k.prompt
-  raw = data.load_dataset('gsm8k', split='test').examples[0]
+  raw = data.load_dataset('gsm8k', FIXTURE_DATA, split='test').examples[0]
   assert raw.prompt.startswith('Question:\n') and raw.answer == gsm8k.answer
   synthetic = load_tasks('synthetic:easy', count=2, seed=0, chat=True)
   assert all(t.prompt.endswith("'#### <number>', where <number> is the final numerical answer.")

@@ -6,6 +6,7 @@ from configs.tiny_math import get_config
 from specroll_jax.rl.trainer import check_config, train
 from specroll_jax.tasks.data import load_dataset
 from experiments.workloads import ENGINE_NAMES
+from tests.conftest import FIXTURE_DATA
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
@@ -18,7 +19,7 @@ def test_training_configs_are_consistent(config):
   assert config.rollout.max_batch % 8 == 0
   check_config(config)  # every section builds its dataclass: clip ranges, lr, modes, ...
   if not config.task.source.startswith('synthetic:'):
-    assert load_dataset(config.task.source).examples
+    assert load_dataset(config.task.source, FIXTURE_DATA).examples
 
 
 def test_bad_sections_fail_before_any_policy_is_loaded(tmp_path):

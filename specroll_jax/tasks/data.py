@@ -1,7 +1,8 @@
 """Prompt/answer loaders for the math RL datasets in the shared data directory.
 
-The JSONL files are read in place (never copied into the repo) from `data_dir`,
-by default `../shared/data` next to the repository. Each row becomes an `Example`
+The JSONL files are read in place (never copied into the repo) from the data directory
+that `paths.data_dir` chooses: an explicit `data_dir`, else $SPECROLL_DATA_DIR, else
+`../shared/data` next to the repository. Each row becomes an `Example`
 whose `answer` is the gold answer in the form `rewards.score` expects for its
 `kind`. Malformed rows are skipped and counted rather than fatal: one bad line in a
 17K-row file should not stop a run, but the count is reported so it is not silent.
@@ -23,9 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specroll_jax.tasks import rewards
-from specroll_jax.tasks.paths import DATA_DIR
-
-DEFAULT_DATA_DIR = DATA_DIR
+from specroll_jax.tasks import paths
 
 SIMPLERL_TEMPLATE = "Question:\n{input}\nAnswer:\nLet's think step by step.\n"
 GSM8K_TEMPLATE = ("Question:\n{input}\nSolve the problem step by step, then write the "
@@ -118,7 +117,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, split: str | Non
 
   Args:
     name: one of DATASETS.
-    data_dir: the shared data directory; defaults to DEFAULT_DATA_DIR.
+    data_dir: the data directory; None chooses it as `paths.data_dir` does.
     split: gsm8k has 'train' (default) and 'test'; math and dapo only 'train'; the
       eval sets (math500, aime24, amc23, minerva_math) only 'test'.
     template: prompt template with an `{input}` field; defaults to the dataset's.
@@ -135,10 +134,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, split: str | Non
   if split not in spec.splits:
     raise ValueError(f'dataset {name!r} has no split {split!r}; expected one of '
                      f'{tuple(spec.splits)}')
-  data_dir = Path(data_dir).resolve() if data_dir else DEFAULT_DATA_DIR.resolve()
-  if not data_dir.is_dir():
-    raise FileNotFoundError(f'data directory not found: {data_dir}')
-  path = data_dir / spec.splits[split]
+  path = paths.data_dir(data_dir) / spec.splits[split]
   if not path.is_file():
     raise FileNotFoundError(f'{name} {split} file not found: {path}')
 

@@ -1,4 +1,5 @@
-"""Prompt sources for GRPO: the embedded synthetic task or a dataset from ../shared/data."""
+"""Prompt sources for GRPO: the embedded synthetic task or a dataset from the data directory
+(`paths.data_dir`)."""
 import dataclasses
 
 from specroll_jax.tasks import data, synthetic_math
