@@ -30,7 +30,7 @@ def random_inputs(rng, batch, s_len, t_len, heads, kv_heads, head_dim, min_fill,
   lengths = rng.integers(int(min_fill * s_len), s_len + 1, batch)
   return dict(
       q=normal(batch, t_len, heads, head_dim),
-      k_cache=normal(batch, kv_heads, s_len, head_dim),
+      k_cache=normal(batch, kv_heads, head_dim, s_len),
       v_cache=normal(batch, kv_heads, s_len, head_dim),
       cache_lengths=jnp.asarray(lengths, jnp.int32),
       k_block=normal(batch, t_len, kv_heads, head_dim),

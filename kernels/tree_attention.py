@@ -18,7 +18,8 @@ exported for a GPU or a TPU from a CPU host (tests/test_kernel_export.py does):
     query rows and block keys are padded to a power of two >= 16 (padding is masked out)
     and `block_s` and the head dim must be powers of two.
   * tpu: Mosaic. It wants the last two block dims either whole or (8, 128)-aligned. The
-    head-major cache ([B, KVH, S, Dh]) gives each program a whole [S, Dh] slab; the small
+    head-major cache (keys [B, KVH, Dh, S], values [B, KVH, S, Dh]) gives each program a
+    whole [Dh, S] key slab and [S, Dh] value slab; the small
     per-block tensors are transposed head-major here to match. Scalar prefetch is
     TPU-only, so cache_lengths is an ordinary int32 input read whole, placed in SMEM
     because scalars cannot be read out of VMEM.
@@ -48,9 +49,11 @@ def _kernel(lengths_ref, q_ref, k_cache_ref, v_cache_ref, k_block_ref, v_block_r
   cache_len = lengths_ref[pl.program_id(0)]
   q = q_ref[...]
 
-  def attend(carry, k, v, visible):
+  def attend(carry, k, v, visible, key_dim):
+    """One tile of keys: `k` is [Dh, keys] in the cache (key_dim 0), [keys, Dh] in the
+    block (key_dim 1)."""
     acc, row_max, row_sum = carry
-    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    scores = lax.dot_general(q, k, (((1,), (key_dim,)), ((), ())),
                              preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible, scores, _MASKED)
     new_max = jnp.maximum(row_max, scores.max(axis=1, keepdims=True))
@@ -68,7 +71,7 @@ def _kernel(lengths_ref, q_ref, k_cache_ref, v_cache_ref, k_block_ref, v_block_r
     start = pl.multiple_of(i * block_s, block_s)
     tile = pl.ds(start, block_s)
     visible = start + jnp.arange(block_s)[None, :] < cache_len
-    return attend(carry, k_cache_ref[tile, :], v_cache_ref[tile, :], visible)
+    return attend(carry, k_cache_ref[:, tile], v_cache_ref[tile, :], visible, key_dim=0)
 
   rows, head_dim = q.shape
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -76,7 +79,8 @@ def _kernel(lengths_ref, q_ref, k_cache_ref, v_cache_ref, k_block_ref, v_block_r
            jnp.zeros((rows, 1), jnp.float32))
   # Tiles past the row's cache length are never loaded: ragged rows cost what they hold.
   carry = lax.fori_loop(0, pl.cdiv(cache_len, block_s), cache_tile, carry)
-  acc, _, row_sum = attend(carry, k_block_ref[...], v_block_ref[...], mask_ref[...] != 0)
+  acc, _, row_sum = attend(carry, k_block_ref[...], v_block_ref[...], mask_ref[...] != 0,
+                          key_dim=1)
   out_ref[...] = jnp.where(row_sum > 0, acc / row_sum, 0.0).astype(out_ref.dtype)
 
 
@@ -103,7 +107,7 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
       does), e.g. to debug it on a GPU host.
   """
   batch, t_len, num_heads, head_dim = q.shape
-  s_len = k_cache.shape[2]
+  s_len = v_cache.shape[2]
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv
 
@@ -121,7 +125,7 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_m
   # At least one tile even for S == 0, so no block is empty; padding slots are never
   # visible because lengths are clipped to the real S, as the reference's mask implies.
   s_padded = max(1, pl.cdiv(s_len, block_s)) * block_s
-  k_cache = _pad_axis(k_cache, 2, s_padded)
+  k_cache = _pad_axis(k_cache, 3, s_padded)
   v_cache = _pad_axis(v_cache, 2, s_padded)
   lengths = jnp.clip(cache_lengths, 0, s_len).astype(jnp.int32)
 
@@ -142,9 +146,10 @@ def _tree_attention_call(platform, lengths, q_rows, k_cache, v_cache, k_block, v
   """The kernel over prepared operands, lowered for `platform` ('cuda', 'tpu' or
   'interpret')."""
   batch, num_kv, rows_padded, head_dim = q_rows.shape
-  s_padded, keys_padded = k_cache.shape[2], k_block.shape[2]
+  s_padded, keys_padded = v_cache.shape[2], k_block.shape[2]
   block_rows = min(rows_padded, _MAX_ROWS)
-  cache_spec = pl.BlockSpec((None, None, s_padded, head_dim), lambda b, h, r: (b, h, 0, 0))
+  key_cache_spec = pl.BlockSpec((None, None, head_dim, s_padded), lambda b, h, r: (b, h, 0, 0))
+  value_cache_spec = pl.BlockSpec((None, None, s_padded, head_dim), lambda b, h, r: (b, h, 0, 0))
   block_kv_spec = pl.BlockSpec((None, None, keys_padded, head_dim),
                                lambda b, h, r: (b, h, 0, 0))
   rows_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
@@ -156,8 +161,8 @@ def _tree_attention_call(platform, lengths, q_rows, k_cache, v_cache, k_block, v
       in_specs=[
           pl.BlockSpec(memory_space=pltpu.SMEM if platform == 'tpu' else None),
           rows_spec,
-          cache_spec,
-          cache_spec,
+          key_cache_spec,
+          value_cache_spec,
           block_kv_spec,
           block_kv_spec,
           pl.BlockSpec((None, block_rows, keys_padded), lambda b, h, r: (b, r, 0)),

@@ -18,7 +18,8 @@ def test_windowed_attention_equals_attention_over_the_whole_cache():
   rng = np.random.default_rng(0)
   normal = lambda *dims: jnp.asarray(rng.standard_normal(dims, np.float32))
   q = normal(batch, t_len, heads, head_dim)
-  k_cache, v_cache = (normal(batch, kv_heads, slots, head_dim) for _ in range(2))
+  k_cache = normal(batch, kv_heads, head_dim, slots)
+  v_cache = normal(batch, kv_heads, slots, head_dim)
   k_block, v_block = (normal(batch, t_len, kv_heads, head_dim) for _ in range(2))
   # A chain and a fork: node 2 sees node 0 but not node 1.
   block_mask = jnp.asarray(np.broadcast_to(

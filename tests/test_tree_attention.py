@@ -41,7 +41,7 @@ def make_inputs(shape, seed, cache_lengths, dtype=jnp.float32):
   parents = [[rng.integers(-1, i) for i in range(t_len)] for _ in range(batch)]
   return dict(
       q=normal(batch, t_len, heads, head_dim),
-      k_cache=normal(batch, kv_heads, s_len, head_dim),
+      k_cache=normal(batch, kv_heads, head_dim, s_len),
       v_cache=normal(batch, kv_heads, s_len, head_dim),
       cache_lengths=jnp.asarray(cache_lengths, jnp.int32),
       k_block=normal(batch, t_len, kv_heads, head_dim),

@@ -5,8 +5,9 @@ Queries are a block of T tokens per row. Keys are the row's cached prefix (slots
 `block_mask[b, i, j]` (query i may see block token j). Prefill, decode, full-sequence
 training forwards and tree verification differ only in the mask they pass.
 
-The cache is stored head-major ([B, KVH, S, Dh]) so that the per-step score and value
-products read it without a transpose: on CPU the transposes cost as much as the products.
+The cache is stored head-major, keys [B, KVH, Dh, S] and values [B, KVH, S, Dh], so that
+the per-step score and value products are plain matmuls over it without a transpose: on
+CPU the transposes cost as much as the products.
 """
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,8 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
 
   Args:
     q: [B, T, H, Dh] queries (RoPE already applied).
-    k_cache, v_cache: [B, KVH, S, Dh] cached keys/values; S may be 0.
+    k_cache: [B, KVH, Dh, S] cached keys; S may be 0.
+    v_cache: [B, KVH, S, Dh] cached values.
     cache_lengths: int32 [B], number of valid cache slots per row.
     k_block, v_block: [B, T, KVH, Dh] keys/values of the block tokens.
     block_mask: bool [B, T, T], query i sees block key j.
@@ -49,9 +51,9 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
   Returns:
     [B, T, H, Dh] attention output in q's dtype.
   """
-  windows = cache_windows(k_cache.shape[2])
+  windows = cache_windows(v_cache.shape[2])
   attend = lambda window: lambda *args: full_cache_attention(
-      q, args[0][:, :, :window], args[1][:, :, :window], *args[2:], scale=scale)
+      q, args[0][..., :window], args[1][:, :, :window], *args[2:], scale=scale)
   operands = (k_cache, v_cache, cache_lengths, k_block, v_block, block_mask)
   if len(windows) == 1:
     return attend(windows[0])(*operands)
@@ -66,12 +68,12 @@ def full_cache_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, b
   batch, t_len, num_heads, head_dim = q.shape
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv
-  s_len = k_cache.shape[2]
+  s_len = v_cache.shape[2]
   # Queries of one kv head are grouped as rows (t, g) of a [T*G, Dh] matrix.
   qg = q.reshape(batch, t_len, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
   qg = qg.reshape(batch, num_kv, t_len * groups, head_dim).astype(jnp.float32) * scale
   f32 = lambda x: x.astype(jnp.float32)
-  cache_scores = jnp.einsum('bkqd,bksd->bkqs', qg, f32(k_cache))
+  cache_scores = jnp.einsum('bkqd,bkds->bkqs', qg, f32(k_cache))
   block_scores = jnp.einsum('bkqd,btkd->bkqt', qg, f32(k_block))
   prefix_mask = (jnp.arange(s_len)[None, :] < cache_lengths[:, None])[:, None, None, :]
   rows_mask = jnp.repeat(block_mask, groups, axis=1)[:, None]  # [B, 1, T*G, T]

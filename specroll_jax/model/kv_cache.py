@@ -6,15 +6,16 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  """Keys/values per layer: tuples of L arrays [B, KVH, S, Dh]; `lengths[b]` slots of row b
-  are valid.
+  """Keys per layer: a tuple of L arrays [B, KVH, Dh, S]; values: L arrays [B, KVH, S, Dh];
+  `lengths[b]` slots of row b are valid.
 
-  Head-major, so a row's slots for one head are contiguous and the attention products are
-  plain batched matmuls without a transpose of the cache per step. A keys layout
-  transposed to [B, KVH, Dh, S] ran W3's score products faster but broke the 1e-5 log-prob
-  test (WORKSPACE_NOTES), so it is not used. One buffer per layer, not one stacked
-  [L, ...] array: XLA:CPU copied a layer's slice of a stacked array before the products read
-  it (score products 65 ms per step instead of 18 ms).
+  Head-major, so the attention products are plain batched matmuls without a transpose of
+  the cache per step: scores are q [T*G, Dh] @ K [Dh, S] and outputs P [T*G, S] @ V [S, Dh].
+  Keys stored slot-major ([.., S, Dh]) made XLA:CPU run the score product as a
+  transposed-operand matmul: W3's decode step took 135 ms against 99 ms with keys
+  [Dh, S] (WORKSPACE_NOTES, "A vanilla step nearer its roofline"). One buffer per layer,
+  not one stacked [L, ...] array: XLA:CPU copied a layer's slice of a stacked array before
+  the products read it (score products 65 ms per step instead of 18 ms).
   """
   k: tuple
   v: tuple
@@ -24,7 +25,7 @@ class KVCache:
   def zeros(cls, config, batch: int, max_length: int) -> 'KVCache':
     heads, dim, dtype = config.num_kv_heads, config.head_dim, config.activation_dtype
     layers = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return cls(k=layers((batch, heads, max_length, dim)), v=layers((batch, heads, max_length, dim)),
+    return cls(k=layers((batch, heads, dim, max_length)), v=layers((batch, heads, max_length, dim)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -52,9 +53,9 @@ def commit(cache: KVCache, block: BlockKV, source_index: jax.Array, count: jax.A
   rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, width))
   selected = lambda layer_block: jnp.take_along_axis(
       layer_block, source_index[:, :, None, None], axis=1)
-  # Advanced indices (rows, slots) around slices move to the front, so both writes take
-  # values [B, W, KVH, Dh].
-  k = tuple(layer.at[rows, :, slots].set(selected(new), mode='drop')
+  # Advanced indices (rows, slots) separated by slices move to the front, so both writes
+  # take values [B, W, KVH, Dh].
+  k = tuple(layer.at[rows, :, :, slots].set(selected(new), mode='drop')
             for layer, new in zip(cache.k, block.k))
   v = tuple(layer.at[rows, :, slots].set(selected(new), mode='drop')
             for layer, new in zip(cache.v, block.v))

@@ -129,8 +129,9 @@ def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def cache_layer_spec(sizes, shape) -> P:
-  """A KV cache layer [B, KVH, S, Dh]: rows as everywhere, KV heads over 'tensor' (the
-  heads a column-parallel k/v projection produces on each device)."""
+  """A KV cache layer ([B, KVH, Dh, S] keys, [B, KVH, S, Dh] values): rows as everywhere,
+  KV heads over 'tensor' (the heads a column-parallel k/v projection produces on each
+  device)."""
   return _fitted(sizes, P(ROWS, 'tensor', None, None), shape)
 
 
