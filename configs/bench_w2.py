@@ -34,6 +34,9 @@ def get_config():
   c.capacity_per_batch = True  # the profile's knee at each batch size, not one C_hw
   # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
   c.speculation_gate = True
+  # Each bucket's tree width from the measured price and tokens per step of 2, 4, ... nodes
+  # (spec/step_cost.py size_trees) instead of C_hw // B alone.
+  c.size_trees = False
   c.max_nodes = 64
   c.branching = (8, 4, 2, 2)
   c.batch_sweep = (8, 16, 32, 64)  # active batch sizes for the tau / speedup curves

@@ -40,6 +40,9 @@ def get_config():
   c.capacity_per_batch = True
   # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
   c.speculation_gate = True
+  # Each bucket's tree width from the measured price and tokens per step of 2, 4, ... nodes
+  # (spec/step_cost.py size_trees) instead of C_hw // B alone.
+  c.size_trees = True
   c.max_nodes = 16
   c.branching = (4, 2, 2, 1)
   c.batch_sweep = (1, 4, 16, 64)  # responses in flight

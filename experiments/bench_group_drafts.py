@@ -62,7 +62,8 @@ def run_workload(c, names, modes):
       if name in result:
         result[name]['accepted_per_tree_step'] = accepted_per_tree_step(result[name])
     runs[mode] = result
-  return {'runs': runs, 'prices': prices, 'responses': len(prompts) * c.samples_per_prompt}
+  return {'runs': runs, 'prices': {name: p.tree_step_costs for name, p in prices.items()},
+          'responses': len(prompts) * c.samples_per_prompt}
 
 
 def merged_with_earlier(earlier: dict, measured: dict, path: Path) -> dict:

@@ -72,7 +72,9 @@ def main(argv):
   result = {
       'command': ' '.join(['python -m experiments.bench_rollout'] + sys.argv[1:]),
       'config': c.to_dict(), 'capacity_tokens': capacity, 'backend': jax.default_backend(),
-      'tree_step_costs': {name: [list(row) for row in costs] for name, costs in prices.items()},
+      'tree_step_costs': {name: [list(row) for row in p.tree_step_costs]
+                          for name, p in prices.items()},
+      'tree_widths': {name: [list(row) for row in p.sized_widths] for name, p in prices.items()},
       'speedup_generation': main_run['specroll']['speedup'],
       'tau': main_run['specroll']['tau'],
       'oracle_speedup': main_run['oracle']['speedup'],

@@ -49,6 +49,9 @@ flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root incl
 flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
                   'Attention of the verification forward: xla or the Pallas kernel.')
 flags.DEFINE_list('branching', ['8', '4', '2', '2'], 'Candidate ranks per tree depth.')
+flags.DEFINE_bool('size_trees', False,
+                  'With the gate: each batch bucket\'s tree width from the measured price and '
+                  'tokens per step of 2, 4, ... nodes (spec/step_cost.py size_trees).')
 flags.DEFINE_bool('speculation_gate', True,
                   'engine=specroll: a plain step wherever a tree is not expected to pay for '
                   'its cost, measured on these prompts before generating (spec/gate.py).')
@@ -89,7 +92,8 @@ def main(argv):
   params = engine.params(policy.params, heads)
   rollout = RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch)
   if FLAGS.engine == 'specroll' and FLAGS.speculation_gate:
-    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples)
+    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples,
+                                      size_widths=FLAGS.size_trees)
   driver = Driver(engine, rollout)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)

@@ -53,7 +53,7 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, pri
             names=('vanilla', 'specroll', 'oracle')):
   """One side-by-side run of the engines `names` (workloads.ENGINE_NAMES, vanilla first) on
   `prompts` x `samples`; with c.speculation_gate the speculative engines' gates are priced
-  from `prices` (measured when missing)."""
+  from `prices` (measured when missing), and with c.size_trees their widths sized."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
   engines = workload_engines(policy, heads_config, c, tree, sampler, names)
@@ -66,7 +66,8 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, pri
     params['oracle'] = oracle_engine_params(engines['oracle'], policy, heads, reference,
                                             c.max_new_tokens)
   if c.speculation_gate:
-    engines = gated_engines(engines, params, rollout, prompts, samples, prices)
+    engines = gated_engines(engines, params, rollout, prompts, samples, prices,
+                            size_widths=c.size_trees)
   drivers = {name: Driver(engine, rollout) for name, engine in engines.items()}
   runs = {name: partial(drivers[name].generate, params[name], prompts, samples, c.seed)
           for name in engines}

@@ -97,15 +97,30 @@ def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens
   return oracle_engine.params(policy.params, OracleParams(heads, jnp.asarray(oracle_tokens)))
 
 
-def gated_engines(engines, params, rollout, prompts, samples, prices: dict) -> dict:
-  """`engines` with each speculative engine's gate priced (spec/step_cost.py): on this
-  workload the first time an engine name is seen, then from `prices` (name -> costs), so a
-  sweep prices once, on its largest batch, and every smaller run reuses those buckets."""
+@dataclasses.dataclass(frozen=True)
+class GatePrices:
+  """What pricing measured for one engine: its gate's costs and, when sized, its widths."""
+  tree_step_costs: tuple  # ((batch, plain steps), ...)
+  sized_widths: tuple     # ((batch, nodes), ...); empty: the capacity decides
+
+
+def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
+                  size_widths: bool = False) -> dict:
+  """`engines` with each speculative engine's gate priced (spec/step_cost.py), and with
+  `size_widths` its trees sized there too: on this workload the first time an engine name is
+  seen, then from `prices` (name -> GatePrices), so a sweep prices once, on its largest
+  batch, and every smaller run reuses those buckets."""
   gated = {}
   for name, engine in engines.items():
-    if name != 'vanilla' and name not in prices:
-      prices[name] = with_measured_step_costs(engine, rollout, params[name], prompts,
-                                              samples).tree_step_costs
-    gated[name] = (engine if name == 'vanilla'
-                   else dataclasses.replace(engine, tree_step_costs=prices[name]))
+    if name == 'vanilla':
+      gated[name] = engine
+      continue
+    if name not in prices:
+      priced = with_measured_step_costs(engine, rollout, params[name], prompts, samples,
+                                        size_widths=size_widths)
+      prices[name] = GatePrices(priced.tree_step_costs, priced.tree_config.sized_widths)
+    gated[name] = dataclasses.replace(
+        engine, tree_step_costs=prices[name].tree_step_costs,
+        tree_config=dataclasses.replace(engine.tree_config,
+                                        sized_widths=prices[name].sized_widths))
   return gated

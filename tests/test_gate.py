@@ -1,16 +1,18 @@
 """The speculation gate's rule and the step-cost measurement that prices it."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.rollout.driver import RolloutConfig
+from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec import gate
 from specroll_jax.spec.engine import SpecEngine
 from specroll_jax.spec.gate import GateConfig, GateState
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.spec.step_cost import size_trees, with_measured_step_costs
 from specroll_jax.spec.tree import TreeConfig
 
 CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, max_probe_interval=16, horizon=4)
@@ -95,3 +97,31 @@ def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):
   assert priced.tree_step_cost(8) == priced.tree_step_costs[-1][1]
   assert priced.tree_step_cost(3) == priced.tree_step_costs[2][1]
   assert engine.tree_step_cost(4) is None
+
+
+def test_trees_are_sized_by_measured_price_and_tokens_per_step(stories_policy):
+  policy = stories_policy
+  heads = HeadsConfig(num_heads=2)
+  sampler = SamplerConfig(temperature=1.0)
+  proposer = HeadProposer(policy.config, heads, HeadDraftConfig((2, 2)), sampler)
+  # C_hw = 8 tokens: at most 4 nodes at 1 and 2 rows, 2 at 4 rows, none at 8.
+  engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=8, max_nodes=4),
+                      sampler, (2,))
+  params = engine.params(policy.params, init_heads(heads, policy.config, seed=0))
+  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+  rollout = RolloutConfig(max_new_tokens=16, max_batch=8)
+  driver = Driver(engine, rollout)
+  state = driver.first_state(params, prompts, 4)
+  sized, trials = size_trees(engine, params, state, jax.random.key(0), driver.buckets,
+                             repeats=2)
+  assert [(t.batch, t.width) for t in trials] == [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
+  assert all(t.cost > 0 and 1 <= t.tokens_per_step <= t.width for t in trials)
+  best = {b: max((t for t in trials if t.batch == b), key=lambda t: t.gain) for b in (1, 2, 4)}
+  assert sized.tree_config.sized_widths == tuple((b, t.width) for b, t in best.items())
+  assert sized.tree_step_costs == tuple((b, t.cost) for b, t in best.items())
+  assert [sized.tree_width(b) for b in (1, 2, 4, 8)] == [best[1].width, best[2].width, 2, 1]
+  # Whatever widths were chosen, the rollout is vanilla's.
+  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), rollout).generate(
+      policy.params, prompts, 4, seed=3)
+  speculative = Driver(sized, rollout).generate(params, prompts, 4, seed=3)
+  assert [r.token_ids for r in speculative] == [r.token_ids for r in vanilla]

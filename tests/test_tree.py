@@ -27,6 +27,14 @@ def test_budget_follows_concurrency():
   assert config.node_bucket(256, running=1) == 64
 
 
+def test_a_sized_bucket_runs_its_whole_width():
+  config = TreeConfig(capacity_tokens=8, max_nodes=16, sized_widths=((1, 4), (4, 8)))
+  assert [config.width(b) for b in (1, 2, 4)] == [4, 4, 8]  # bucket 2: C_hw // 2, unsized
+  assert int(config.bucket_budget(4, jnp.asarray(3), 8)) == 8  # C_hw // 3 would give 2
+  assert int(config.bucket_budget(2, jnp.asarray(3), 4)) == 2
+  assert config.sized_width(2) is None
+
+
 def test_capacity_by_batch_picks_the_nearest_measured_batch():
   config = TreeConfig(capacity_tokens=999, capacity_by_batch=((8, 16), (32, 128), (64, 128)))
   assert [config.capacity(b) for b in (1, 8, 9, 32, 64, 128)] == [16, 16, 128, 128, 128, 128]

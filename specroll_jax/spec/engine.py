@@ -113,14 +113,14 @@ class SpecEngine(Engine):
     return SpecParams(policy=policy_params, proposer=proposer_params)
 
   def tree_width(self, batch: int) -> int:
-    """Static node slots for a batch bucket: the budget of a full bucket, C_hw(B) // B.
+    """Static node slots for a batch bucket: its sized width, else the budget of a full
+    bucket, C_hw(B) // B; never more than the proposer can fill.
 
     Sizing for a full bucket means no slot is computed and left empty when the segment
     starts; as rows finish inside the segment the budget stays capped at this width until
     the driver compacts the batch, and the next bucket's trees are twice as wide.
     """
-    tc = self.tree_config
-    return min(tc.node_bucket(tc.capacity(batch), batch), 1 + self.proposer.num_candidates)
+    return min(self.tree_config.width(batch), 1 + self.proposer.num_candidates)
 
   def tree_step_cost(self, batch: int) -> float | None:
     """The measured cost of a tree step at this bucket: that of the nearest measured batch
@@ -187,7 +187,7 @@ class SpecEngine(Engine):
     with jax.named_scope('propose'):
       proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
     with jax.named_scope('build_tree'):
-      budget = tc.budget(tc.capacity(batch), jnp.sum(running), width)
+      budget = tc.bucket_budget(batch, jnp.sum(running), width)
       tree = build_tree(root, proposal.candidates, jnp.full((batch,), budget, jnp.int32),
                         width, depth)
     with jax.named_scope('verify_forward'):

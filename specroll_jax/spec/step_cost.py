@@ -32,49 +32,120 @@ def _compiled(step):
   return jax.jit(repeated, donate_argnums=1, compiler_options=LOOP_COMPILER_OPTIONS)
 
 
+def _tree_widths_to_try(widest: int) -> tuple:
+  """Candidate widths for a bucket whose capacity allows `widest` nodes: powers of two from
+  2 up to it, and `widest` itself (the proposer may cap it below a power of two)."""
+  widths = [w for w in (2 ** k for k in range(1, widest.bit_length())) if w < widest]
+  return tuple(widths) + (widest,)
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthTrial:
+  """One width's measurement at one batch bucket."""
+  batch: int
+  width: int
+  cost: float             # tree step time / plain step time (median of the pairs)
+  tokens_per_step: float  # tokens emitted per running row per tree step (the measured tau)
+
+  @property
+  def gain(self) -> float:
+    """Expected speedup of tree steps at this width over plain steps."""
+    return self.tokens_per_step / self.cost
+
+
+def _price(tree_step, plain_step, params, state, seed_key, batch: int, repeats: int) -> tuple:
+  """(median tree/plain time ratio, tokens per row step of the tree steps) at `batch` rows.
+
+  Calls of STEPS_PER_CALL tree steps and of as many plain steps alternate, each from the
+  first `batch` rows of `state`, so a drift in background load hits both alike. Every pair
+  starts from that state: rows that ran on would finish (an oracle accepts up to 16 tokens
+  per step), and steps over finished rows walk nothing.
+  """
+  first_rows = jnp.arange(batch, dtype=jnp.int32)
+  jax.block_until_ready(plain_step(params, tree_step(params, take_rows(state, first_rows),
+                                                     seed_key), seed_key))
+  ratios, tokens, row_steps = [], 0, 0
+  for _ in range(repeats):
+    rows = jax.block_until_ready(take_rows(state, first_rows))
+    before = (int(jnp.sum(rows.seqs.num_generated)), int(jnp.sum(rows.seqs.steps)))
+    start = time.perf_counter()
+    after = jax.block_until_ready(tree_step(params, rows, seed_key))
+    tree_seconds = time.perf_counter() - start
+    tokens += int(jnp.sum(after.seqs.num_generated)) - before[0]
+    row_steps += int(jnp.sum(after.seqs.steps)) - before[1]
+    rows = jax.block_until_ready(take_rows(state, first_rows))
+    start = time.perf_counter()
+    jax.block_until_ready(plain_step(params, rows, seed_key))
+    ratios.append(tree_seconds / (time.perf_counter() - start))
+  return statistics.median(ratios), tokens / max(row_steps, 1)
+
+
+def _priced_buckets(engine, state, buckets) -> list:
+  full = state.seqs.done.shape[0]
+  return [b for b in sorted(buckets) if b <= full and engine.tree_width(b) > 1]
+
+
 def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 5) -> tuple:
   """((batch, tree step time / plain step time), ...) ascending, for every bucket in `buckets`
   at or below the batch of `state` whose trees have more than one node per row.
 
   Each bucket's state is the first `batch` rows of `state`, typically the driver's first
-  state. Calls of STEPS_PER_CALL tree steps and of as many plain steps alternate, each from
-  that state, so a drift in background load hits both alike. The cost is the median ratio
-  over `repeats` pairs of calls.
+  state; the cost is the median ratio over `repeats` alternating pairs of calls.
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}')
-  full = state.seqs.done.shape[0]
   tree_step, plain_step = _compiled(engine.tree_step), _compiled(engine.plain_step)
   costs = []
-  for batch in sorted(b for b in buckets if b <= full):
-    if engine.tree_width(batch) == 1:
-      continue
-    first_rows = jnp.arange(batch, dtype=jnp.int32)
-    jax.block_until_ready(plain_step(params, tree_step(params, take_rows(state, first_rows),
-                                                       seed_key), seed_key))
-    ratios = []
-    for _ in range(repeats):
-      # Every pair starts from the first state: rows that ran on would finish (an oracle
-      # accepts up to 16 tokens per step), and steps over finished rows walk nothing.
-      rows = jax.block_until_ready(take_rows(state, first_rows))
-      start = time.perf_counter()
-      jax.block_until_ready(tree_step(params, rows, seed_key))
-      tree_seconds = time.perf_counter() - start
-      rows = jax.block_until_ready(take_rows(state, first_rows))
-      start = time.perf_counter()
-      jax.block_until_ready(plain_step(params, rows, seed_key))
-      ratios.append(tree_seconds / (time.perf_counter() - start))
-    costs.append((batch, statistics.median(ratios)))
+  for batch in _priced_buckets(engine, state, buckets):
+    cost, _ = _price(tree_step, plain_step, params, state, seed_key, batch, repeats)
+    costs.append((batch, cost))
     logging.info('tree step at batch %d (width %d): %.2f plain steps', batch,
-                 engine.tree_width(batch), costs[-1][1])
+                 engine.tree_width(batch), cost)
   return tuple(costs)
 
 
+def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tuple:
+  """(engine with sized tree widths and their costs, the WidthTrials measured).
+
+  For every bucket that `measure_step_costs` would price, each candidate width (powers of
+  two up to the capacity's width) is priced and its tokens per row step measured on the
+  same calls; the bucket gets the width with the largest ratio of the two, the expected
+  speedup of its tree steps. Where even that ratio is below 1, the gate runs plain steps
+  there, as before. Tokens per step come from the rollout's own first steps, so sizing
+  reflects this workload's drafts (an oracle's chains, a warm start's heads), not a prior.
+  """
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}')
+  plain_step = _compiled(engine.plain_step)  # the same program at every width
+  tc = engine.tree_config
+  trials, chosen = [], []
+  for batch in _priced_buckets(engine, state, buckets):
+    bucket_trials = []
+    for width in _tree_widths_to_try(engine.tree_width(batch)):
+      trial_engine = dataclasses.replace(
+          engine, tree_config=dataclasses.replace(tc, sized_widths=((batch, width),)))
+      cost, tau = _price(_compiled(trial_engine.tree_step), plain_step, params, state,
+                         seed_key, batch, repeats)
+      bucket_trials.append(WidthTrial(batch, width, cost, tau))
+      logging.info('batch %d, width %d: %.2f plain steps, %.2f tokens per step', batch,
+                   width, cost, tau)
+    trials += bucket_trials
+    chosen.append(max(bucket_trials, key=lambda t: t.gain))
+  sized = dataclasses.replace(
+      engine, tree_config=dataclasses.replace(
+          tc, sized_widths=tuple((t.batch, t.width) for t in chosen)),
+      tree_step_costs=tuple((t.batch, t.cost) for t in chosen))
+  return sized, tuple(trials)
+
+
 def with_measured_step_costs(engine, rollout_config, params, prompts, num_samples: int,
-                             repeats: int = 5):
+                             repeats: int = 5, size_widths: bool = False):
   """`engine` with its gate priced on this workload: the tree-step costs measured on the
-  first state a Driver(engine, rollout_config) would run for `prompts` x `num_samples`."""
+  first state a Driver(engine, rollout_config) would run for `prompts` x `num_samples`;
+  with `size_widths`, each bucket's tree width chosen as `size_trees` does."""
   driver = Driver(engine, rollout_config)
   state = driver.first_state(params, prompts, num_samples)
+  if size_widths:
+    return size_trees(engine, params, state, jax.random.key(0), driver.buckets, repeats)[0]
   costs = measure_step_costs(engine, params, state, jax.random.key(0), driver.buckets, repeats)
   return dataclasses.replace(engine, tree_step_costs=costs)

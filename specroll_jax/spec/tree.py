@@ -1,7 +1,9 @@
 """Concurrency-aware sparse token trees, encoded in fixed-size arrays.
 
 Per response and step, the node budget is N_t = clip(C_hw // B_t, 1, N_max) (B_t = running
-responses); N_t = 1 is plain decoding. The nodes are chosen from a proposer's candidates
+responses); N_t = 1 is plain decoding. A batch bucket may instead have a sized width
+(`sized_widths`, chosen by spec.step_cost.size_trees from the measured price and tokens per
+step of each candidate width): its trees then have exactly that many nodes. The nodes are chosen from a proposer's candidates
 (edges with an estimated acceptance probability, spec/proposer.py): a path's score is the
 product of its edges' scores, i.e. the probability that the verifier accepts the whole
 path, so the expected accepted length of a tree is the sum of its nodes' path scores.
@@ -27,6 +29,7 @@ class TreeConfig:
   max_nodes: int = 64              # N_max, root included
   capacity_tokens: int = 1024      # C_hw: tokens one verification forward takes at the knee
   capacity_by_batch: tuple = ()    # ((batch, C_hw), ...) ascending; overrides capacity_tokens
+  sized_widths: tuple = ()         # ((batch, nodes), ...) ascending; overrides the budget there
 
   def __post_init__(self):
     if self.max_nodes < 1 or self.capacity_tokens < 1:
@@ -48,6 +51,24 @@ class TreeConfig:
   def budget(self, capacity: int, running: jax.Array, width: int) -> jax.Array:
     """N_t = clip(C_hw // B_t, 1, N_max) per response, capped by the compiled width."""
     return jnp.clip(capacity // jnp.maximum(running, 1), 1, min(width, self.max_nodes))
+
+  def sized_width(self, batch: int) -> int | None:
+    """The width sized for this batch bucket, or None where the capacity decides."""
+    return dict(self.sized_widths).get(batch)
+
+  def width(self, batch: int) -> int:
+    """Static node slots for a batch bucket: its sized width, else the budget of a full
+    bucket, C_hw(B) // B, as a power of two."""
+    sized = self.sized_width(batch)
+    return sized if sized is not None else self.node_bucket(self.capacity(batch), batch)
+
+  def bucket_budget(self, batch: int, running: jax.Array, width: int) -> jax.Array:
+    """The per-response budget in a bucket of `batch` rows with `running` still running: the
+    whole width where it was sized (its price and return were measured at that width),
+    else N_t."""
+    if self.sized_width(batch) is not None:
+      return jnp.asarray(width, jnp.int32)
+    return self.budget(self.capacity(batch), running, width)
 
 
 @struct.dataclass
