@@ -75,6 +75,7 @@ def main(argv):
       'tree_step_costs': {name: [list(row) for row in p.tree_step_costs]
                           for name, p in prices.items()},
       'tree_widths': {name: [list(row) for row in p.sized_widths] for name, p in prices.items()},
+      'one_projection_batches': {name: list(p.one_projection) for name, p in prices.items()},
       'speedup_generation': main_run['specroll']['speedup'],
       'tau': main_run['specroll']['tau'],
       'oracle_speedup': main_run['oracle']['speedup'],

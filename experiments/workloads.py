@@ -102,6 +102,7 @@ class GatePrices:
   """What pricing measured for one engine: its gate's costs and, when sized, its widths."""
   tree_step_costs: tuple  # ((batch, plain steps), ...)
   sized_widths: tuple     # ((batch, nodes), ...); empty: the capacity decides
+  one_projection: tuple   # batches whose walk projects every node at once
 
 
 def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
@@ -118,9 +119,11 @@ def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
     if name not in prices:
       priced = with_measured_step_costs(engine, rollout, params[name], prompts, samples,
                                         size_widths=size_widths)
-      prices[name] = GatePrices(priced.tree_step_costs, priced.tree_config.sized_widths)
+      prices[name] = GatePrices(priced.tree_step_costs, priced.tree_config.sized_widths,
+                                priced.tree_config.one_projection)
     gated[name] = dataclasses.replace(
         engine, tree_step_costs=prices[name].tree_step_costs,
         tree_config=dataclasses.replace(engine.tree_config,
-                                        sized_widths=prices[name].sized_widths))
+                                        sized_widths=prices[name].sized_widths,
+                                        one_projection=prices[name].one_projection))
   return gated

@@ -114,10 +114,14 @@ def test_trees_are_sized_by_measured_price_and_tokens_per_step(stories_policy):
   state = driver.first_state(params, prompts, 4)
   sized, trials = size_trees(engine, params, state, jax.random.key(0), driver.buckets,
                              repeats=2)
-  assert [(t.batch, t.width) for t in trials] == [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
+  # Every width with a projection per depth; where rows x nodes are few, also with one.
+  assert [(t.batch, t.width, t.one_projection) for t in trials] == [
+      (1, 2, False), (1, 2, True), (1, 4, False), (1, 4, True), (2, 2, False), (2, 2, True),
+      (2, 4, False), (2, 4, True), (4, 2, False), (4, 2, True)]
   assert all(t.cost > 0 and 1 <= t.tokens_per_step <= t.width for t in trials)
   best = {b: max((t for t in trials if t.batch == b), key=lambda t: t.gain) for b in (1, 2, 4)}
   assert sized.tree_config.sized_widths == tuple((b, t.width) for b, t in best.items())
+  assert sized.tree_config.one_projection == tuple(b for b, t in best.items() if t.one_projection)
   assert sized.tree_step_costs == tuple((b, t.cost) for b, t in best.items())
   assert [sized.tree_width(b) for b in (1, 2, 4, 8)] == [best[1].width, best[2].width, 2, 1]
   # Whatever widths were chosen, the rollout is vanilla's.

@@ -11,6 +11,8 @@ forced open, on heads the slow path has just updated). Drafts and adaptation may
 what is proposed, never what is emitted. The oracle proposer wraps whichever the test runs
 with.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,6 +218,29 @@ def test_bfloat16_policy_identical(stories_bf16, sampler):
                             TreeConfig(capacity_tokens=64, max_nodes=16),
                             _encode(stories_bf16), 3, 40, 8, (2,), oracle=True, seed=11)
   _check(vanilla, spec, greedy=sampler.greedy)
+
+
+# Widths the tree sizing may choose, different per bucket, and both ways the walk gets its
+# logits: one projection of every node (buckets 1, 2 and 4) and one per depth (bucket 8).
+SIZED_TREES = TreeConfig(capacity_tokens=32, max_nodes=16,
+                         sized_widths=((1, 2), (2, 16), (4, 8), (8, 4)), one_projection=(1, 2, 4))
+
+
+@pytest.mark.parametrize('sampler,dtype', [(SamplerConfig(temperature=0.0), 'float32'),
+                                           (SamplerConfig(temperature=1.0), 'float32'),
+                                           (SamplerConfig(temperature=1.0), 'bfloat16')],
+                         ids=['greedy', 'T=1', 'T=1-bf16'])
+def test_sized_trees_and_one_projection_walk_identical(stories_policy, stories_bf16, sampler,
+                                                       dtype):
+  policy = stories_bf16 if dtype == 'bfloat16' else stories_policy
+  run = lambda tree: _run_both(policy, sampler, _heads(policy, 'random'), tree, _encode(policy),
+                               3, 40, 8, (2,), oracle=True, seed=11)
+  vanilla, one_projection = run(SIZED_TREES)
+  _check(vanilla, one_projection, greedy=sampler.greedy)
+  _, per_depth = run(dataclasses.replace(SIZED_TREES, one_projection=()))
+  for a, b in zip(one_projection, per_depth):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
 
 
 # A quick probe and a price no tree pays: the gate alternates warm-up and probing trees with

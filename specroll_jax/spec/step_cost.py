@@ -21,6 +21,11 @@ from specroll_jax.rollout.engine import LOOP_COMPILER_OPTIONS
 # stories260K step (~1.5 ms at 16 rows) and, counted once per step, it pulled the measured
 # ratio towards 1 (W2 at 8 rows: a tree step measured at 1.8 plain steps cost 2.2 in the loop).
 STEPS_PER_CALL = 8
+# Most tree tokens per bucket (rows x nodes) for which sizing also tries projecting every
+# node before the walk. At 16 rows x 4 nodes on W3 one projection of all 64 nodes
+# (3.6 GFLOP, ~12.6 MB of logits) measured no gain over the walk's per-depth projections
+# (WORKSPACE_NOTES, the step profile); below that the trial decides.
+ONE_PROJECTION_MAX_TOKENS = 32
 
 
 def _compiled(step):
@@ -44,6 +49,7 @@ class WidthTrial:
   """One width's measurement at one batch bucket."""
   batch: int
   width: int
+  one_projection: bool    # every node projected before the walk (else one per depth)
   cost: float             # tree step time / plain step time (median of the pairs)
   tokens_per_step: float  # tokens emitted per running row per tree step (the measured tau)
 
@@ -108,9 +114,10 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
   """(engine with sized tree widths and their costs, the WidthTrials measured).
 
   For every bucket that `measure_step_costs` would price, each candidate width (powers of
-  two up to the capacity's width) is priced and its tokens per row step measured on the
-  same calls; the bucket gets the width with the largest ratio of the two, the expected
-  speedup of its tree steps. Where even that ratio is below 1, the gate runs plain steps
+  two up to the capacity's width), walked with a projection per depth and, up to
+  ONE_PROJECTION_MAX_TOKENS tree tokens, with one projection of every node, is priced and
+  its tokens per row step measured on the same calls; the bucket gets the trial with the
+  largest ratio of the two, the expected speedup of its tree steps. Where even that ratio is below 1, the gate runs plain steps
   there, as before. Tokens per step come from the rollout's own first steps, so sizing
   reflects this workload's drafts (an oracle's chains, a warm start's heads), not a prior.
   """
@@ -122,18 +129,22 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
   for batch in _priced_buckets(engine, state, buckets):
     bucket_trials = []
     for width in _tree_widths_to_try(engine.tree_width(batch)):
-      trial_engine = dataclasses.replace(
-          engine, tree_config=dataclasses.replace(tc, sized_widths=((batch, width),)))
-      cost, tau = _price(_compiled(trial_engine.tree_step), plain_step, params, state,
-                         seed_key, batch, repeats)
-      bucket_trials.append(WidthTrial(batch, width, cost, tau))
-      logging.info('batch %d, width %d: %.2f plain steps, %.2f tokens per step', batch,
-                   width, cost, tau)
+      for one_projection in (False, True)[:1 + (batch * width <= ONE_PROJECTION_MAX_TOKENS)]:
+        trial_config = dataclasses.replace(tc, sized_widths=((batch, width),),
+                                           one_projection=(batch,) if one_projection else ())
+        trial_engine = dataclasses.replace(engine, tree_config=trial_config)
+        cost, tau = _price(_compiled(trial_engine.tree_step), plain_step, params, state,
+                           seed_key, batch, repeats)
+        bucket_trials.append(WidthTrial(batch, width, one_projection, cost, tau))
+        logging.info('batch %d, width %d, %s: %.2f plain steps, %.2f tokens per step', batch,
+                     width, 'one projection' if one_projection else 'per-depth projections',
+                     cost, tau)
     trials += bucket_trials
     chosen.append(max(bucket_trials, key=lambda t: t.gain))
   sized = dataclasses.replace(
       engine, tree_config=dataclasses.replace(
-          tc, sized_widths=tuple((t.batch, t.width) for t in chosen)),
+          tc, sized_widths=tuple((t.batch, t.width) for t in chosen),
+          one_projection=tuple(t.batch for t in chosen if t.one_projection)),
       tree_step_costs=tuple((t.batch, t.cost) for t in chosen))
   return sized, tuple(trials)
 

@@ -30,6 +30,7 @@ class TreeConfig:
   capacity_tokens: int = 1024      # C_hw: tokens one verification forward takes at the knee
   capacity_by_batch: tuple = ()    # ((batch, C_hw), ...) ascending; overrides capacity_tokens
   sized_widths: tuple = ()         # ((batch, nodes), ...) ascending; overrides the budget there
+  one_projection: tuple = ()       # batches whose walk projects every node at once
 
   def __post_init__(self):
     if self.max_nodes < 1 or self.capacity_tokens < 1:
@@ -55,6 +56,10 @@ class TreeConfig:
   def sized_width(self, batch: int) -> int | None:
     """The width sized for this batch bucket, or None where the capacity decides."""
     return dict(self.sized_widths).get(batch)
+
+  def projects_all_nodes(self, batch: int) -> bool:
+    """Whether the walk at this batch bucket projects every node before it starts."""
+    return batch in self.one_projection
 
   def width(self, batch: int) -> int:
     """Static node slots for a batch bucket: its sized width, else the budget of a full

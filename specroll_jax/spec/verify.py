@@ -9,7 +9,10 @@ differently shaped forwards. The draw that ends the walk is not emitted here: it
 the next step's root draw (same logits, same key), so it is emitted there.
 
 The walk is a `lax.while_loop` over depth that stops as soon as no row is still descending:
-with typical acceptance most steps end after one or two projections instead of H + 1.
+with typical acceptance most steps end after one or two projections instead of H + 1. Where
+one projection of every tree node costs about what one per-depth projection does (a few
+rows: each reads the whole embedding), the engine projects them all before the walk and the
+walk only indexes those logits (`TreeConfig.one_projection`, chosen by measurement).
 """
 import jax
 import jax.numpy as jnp
@@ -96,23 +99,21 @@ class WalkState:
         target_ids=self.target_ids, target_probs=self.target_probs)
 
 
-def walk(tree: Tree, hidden, project, seed_key, response_ids, root_positions,
+def walk(tree: Tree, node_logits, seed_key, response_ids, root_positions,
          sampler: sampling.SamplerConfig, max_depth: int, vocab_size: int,
          top_m: int) -> WalkResult:
-  """Verifies `tree` given the policy's hidden states at its nodes.
+  """Verifies `tree` given the policy's logits at its nodes.
 
   Args:
-    hidden: [B, N, D] policy hidden states at the tree nodes.
-    project: hidden [B, D] -> float32 logits [B, V] (the policy's vocabulary projection).
+    node_logits: node index per row, int32 [B] -> float32 logits [B, V] of the policy at
+      those nodes (projected on demand, or taken from a projection of every node).
     root_positions: int32 [B] absolute position of each root token.
     max_depth: deepest tree level (H); the walk projects at most H + 1 nodes per row.
     top_m: M, how many of the policy's top tokens to keep at each drawn depth (the
       delayed feedback Reflex and the slow-path monitor learn from).
   """
-  rows = jnp.arange(tree.tokens.shape[0])
-
   def descend(state: WalkState) -> WalkState:
-    logits = project(hidden[rows, state.current])
+    logits = node_logits(state.current)
     keys = sampling.token_keys(seed_key, response_ids, root_positions + state.depth)
     weights = sampling.log_weights(logits, sampler)
     probs = jax.nn.softmax(weights, axis=-1)
