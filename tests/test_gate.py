@@ -80,16 +80,19 @@ def test_config_rejects_nonpositive_fields():
     GateConfig(probe_interval=16, max_probe_interval=8)
 
 
-def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):
-  policy = stories_policy
+def _small_engine(policy, sampler):
+  """(engine, its params, two prompts) with random heads; C_hw = 8 tokens: at most 4 nodes
+  at 1 and 2 rows, 2 at 4 rows, 1 (plain, unpriced) at 8 rows."""
   heads = HeadsConfig(num_heads=2)
-  sampler = SamplerConfig(temperature=1.0)
   proposer = HeadProposer(policy.config, heads, HeadDraftConfig((2, 2)), sampler)
-  # C_hw = 8 tokens: widths 4 at 2 rows, 2 at 4 rows, 1 (plain, unpriced) at 8 rows.
   engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=8, max_nodes=4),
                       sampler, (2,))
   params = engine.params(policy.params, init_heads(heads, policy.config, seed=0))
-  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+  return engine, params, [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+
+
+def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):
+  engine, params, prompts = _small_engine(stories_policy, SamplerConfig(temperature=1.0))
   priced = with_measured_step_costs(engine, RolloutConfig(max_new_tokens=16, max_batch=8),
                                     params, prompts, 4, repeats=2)
   assert [b for b, _ in priced.tree_step_costs] == [1, 2, 4]
@@ -100,15 +103,8 @@ def test_step_costs_are_measured_for_every_bucket_with_trees(stories_policy):
 
 
 def test_trees_are_sized_by_measured_price_and_tokens_per_step(stories_policy):
-  policy = stories_policy
-  heads = HeadsConfig(num_heads=2)
-  sampler = SamplerConfig(temperature=1.0)
-  proposer = HeadProposer(policy.config, heads, HeadDraftConfig((2, 2)), sampler)
-  # C_hw = 8 tokens: at most 4 nodes at 1 and 2 rows, 2 at 4 rows, none at 8.
-  engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=8, max_nodes=4),
-                      sampler, (2,))
-  params = engine.params(policy.params, init_heads(heads, policy.config, seed=0))
-  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+  policy, sampler = stories_policy, SamplerConfig(temperature=1.0)
+  engine, params, prompts = _small_engine(policy, sampler)
   rollout = RolloutConfig(max_new_tokens=16, max_batch=8)
   driver = Driver(engine, rollout)
   state = driver.first_state(params, prompts, 4)
