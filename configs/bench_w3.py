@@ -15,7 +15,8 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.checkpoint = 'workdir/models/smollm2-135m-instruct'
-  c.data_dir = ml_collections.FieldReference(None, field_type=str)  # None: $SPECROLL_DATA_DIR, then ../shared/data
+  # None: $SPECROLL_DATA_DIR, then ../shared/data (tasks/paths.py).
+  c.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.prompts = 'gsm8k'           # GSM8K test questions
   c.chat_template = True
   c.num_prompts = 16

@@ -4,8 +4,8 @@
       --config.policy.checkpoint=/path/to/Qwen2.5-7B-Instruct --workdir=runs/qwen7b_gsm8k
 
 MODEL in MODELS (the checkpoint is the user's own HF directory: nothing is downloaded),
-DATASET in DATASETS (read from --config.task.data_dir, $SPECROLL_DATA_DIR or ../shared/data). Settings follow
-common GRPO practice for these sizes (group 8, lr 1e-6, k3 KL 1e-3, bf16); DAPO uses the
+DATASET in DATASETS (read from --config.task.data_dir, $SPECROLL_DATA_DIR or
+../shared/data). Settings follow common GRPO practice for these sizes (group 8, lr 1e-6, k3 KL 1e-3, bf16); DAPO uses the
 clip-higher range it was published with. The mesh is FSDP over every device
 (--config.mesh.fsdp / .tensor / .data to change it); `experiments.memory_report` says what
 each device then holds, from ARCHITECTURES when the checkpoint is not at hand. LoRA as

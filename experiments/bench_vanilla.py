@@ -40,7 +40,8 @@ flags.DEFINE_string('w3_dir', 'workdir/models/smollm2-135m-instruct',
                     'empty skips W3.')
 flags.DEFINE_list('w3_batches', ['16', '4'], 'W3 batch sizes (GSM8K test questions).')
 flags.DEFINE_integer('w3_max_new_tokens', 128, 'Generated tokens per W3 response.')
-flags.DEFINE_string('data_dir', None, 'Data directory (default: $SPECROLL_DATA_DIR, then ../shared/data).')
+flags.DEFINE_string('data_dir', None,
+                    'Data directory (default: $SPECROLL_DATA_DIR, then ../shared/data).')
 flags.DEFINE_string('out_dir', 'results/bench_vanilla', 'Where results.json and README.md go.')
 FLAGS = flags.FLAGS
 

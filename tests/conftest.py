@@ -6,16 +6,16 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
 from specroll_jax.tasks import paths  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = paths.REPO_DIR
 STORIES = paths.STORIES260K_DIR
 # The first rows of every dataset file, in a data directory's layout (see its README).
 FIXTURE_DATA = REPO / 'tests' / 'fixtures' / 'data'
+# Only the tests of the full datasets themselves (row counts, their first rows) need them;
+# a clone with nothing beside it has only the fixtures, and CI has the full files.
 needs_full_data = pytest.mark.skipif(
     not paths.data_dir_exists(),
     reason=f'the full datasets are not here: set {paths.DATA_DIR_VARIABLE} or place them at '

@@ -117,8 +117,8 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
   two up to the capacity's width), walked with a projection per depth and, up to
   ONE_PROJECTION_MAX_TOKENS tree tokens, with one projection of every node, is priced and
   its tokens per row step measured on the same calls; the bucket gets the trial with the
-  largest ratio of the two, the expected speedup of its tree steps. Where even that ratio is below 1, the gate runs plain steps
-  there, as before. Tokens per step come from the rollout's own first steps, so sizing
+  largest ratio of the two, the expected speedup of its tree steps. Where even that ratio
+  is below 1, the gate runs plain steps there, as before. Tokens per step come from the rollout's own first steps, so sizing
   reflects this workload's drafts (an oracle's chains, a warm start's heads), not a prior.
   """
   if repeats < 1:

@@ -109,6 +109,8 @@ _SPECS = {
     'minerva_math': _eval_spec('minerva_math.test.jsonl', gold=_boxed_in_solution),
 }
 DATASETS = tuple(_SPECS)
+# Every file a data directory may hold, relative to it.
+DATA_LAYOUT = tuple(file for spec in _SPECS.values() for file in spec.splits.values())
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, split: str | None = None,
@@ -134,7 +136,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, split: str | Non
   if split not in spec.splits:
     raise ValueError(f'dataset {name!r} has no split {split!r}; expected one of '
                      f'{tuple(spec.splits)}')
-  path = paths.data_dir(data_dir) / spec.splits[split]
+  path = paths.data_dir(data_dir, DATA_LAYOUT) / spec.splits[split]
   if not path.is_file():
     raise FileNotFoundError(f'{name} {split} file not found: {path}')
 

@@ -16,14 +16,14 @@ STORIES260K_DIR = Path(__file__).resolve().parent / 'stories260K'
 
 DATA_DIR_VARIABLE = 'SPECROLL_DATA_DIR'
 DEFAULT_DATA_DIR = REPO_DIR.parent / 'shared' / 'data'
-# What a data directory holds (relative paths, as tasks.data reads them).
-DATA_LAYOUT = ('gsm8k/train.jsonl', 'gsm8k/test.jsonl', 'math/level3to5.jsonl',
-               'dapo/dapo_math_17k.jsonl', 'eval/math500.test.jsonl', 'eval/aime24.test.jsonl',
-               'eval/amc23.test.jsonl', 'eval/minerva_math.test.jsonl')
 
 
-def data_dir(explicit: str | os.PathLike | None = None) -> Path:
+def data_dir(explicit: str | os.PathLike | None = None, layout: tuple = ()) -> Path:
   """The data directory: `explicit`, else $SPECROLL_DATA_DIR, else ../shared/data.
+
+  Args:
+    layout: the files a data directory holds, relative to it (tasks.data's table), for the
+      error message.
 
   Raises:
     FileNotFoundError: the chosen directory does not exist; the message says which of the
@@ -40,7 +40,8 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     raise FileNotFoundError(
         f'data directory not found: {path}, chosen by {chosen_by}. Pass a data_dir '
         f'(e.g. --config.task.data_dir) or set {DATA_DIR_VARIABLE} to a directory holding '
-        f'{", ".join(DATA_LAYOUT)} (any subset: each dataset reads its own files).')
+        f'{", ".join(layout) or "the datasets"} (any subset: each dataset reads its own '
+        f'files).')
   return path
 
 
