@@ -2,12 +2,14 @@
 
   python -m experiments.bench_rollout --config=configs/bench_w2.py   (stories260K)
   python -m experiments.bench_rollout --config=configs/bench_w3.py   (SmolLM2 on GSM8K)
+  python -m experiments.bench_rollout --config=configs/bench_w4.py   (SmolLM2, the GRPO tail)
 
 All engines run in this process on the same prompts, seed and sampler; each is compiled
-once, then timed `repeats` times in alternation, and ratios of medians are reported. The
-oracle uses the same trees and budget as SpecRoll, with the vanilla rollout's true future
-tokens as a chain before the heads' candidates: the ceiling of this design on this
-hardware. A sweep over the number of responses gives tau and speedup against the active
+once, then timed `repeats` times in alternation, and ratios of medians are reported, for
+the whole rollout and per batch bucket (as rows finish, the driver compacts to smaller
+buckets: the tail). The oracle's trees are the vanilla rollout's true future as a chain
+as deep as the heads' trees, alone, priced and sized like SpecRoll's: the ceiling of this
+tree design on this hardware. A sweep over the number of responses gives tau and speedup against the active
 batch size. With `hf_generate`, transformers' `generate` (torch) samples the same prompts
 with the same sampler; its samples differ (another RNG), so it is compared in tokens/s.
 """
@@ -32,6 +34,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w2.py')
+TAIL_ROWS = 4  # buckets of at most this many rows are the GRPO tail
 
 
 def main(argv):
@@ -77,6 +80,10 @@ def main(argv):
       'tree_widths': {name: [list(row) for row in p.sized_widths] for name, p in prices.items()},
       'one_projection_batches': {name: list(p.one_projection) for name, p in prices.items()},
       'speedup_generation': main_run['specroll']['speedup'],
+      'specroll_speedup': main_run['specroll']['speedup'],
+      # Share of vanilla's decode time spent with at most TAIL_ROWS rows in the bucket.
+      'tail_share': sum(b['share'] for batch, b in main_run['vanilla']['buckets'].items()
+                        if batch <= TAIL_ROWS),
       'tau': main_run['specroll']['tau'],
       'oracle_speedup': main_run['oracle']['speedup'],
       'oracle_tau': main_run['oracle']['tau'],
@@ -113,10 +120,12 @@ def main(argv):
                        f"{r['specroll']['speedup']:.2f}x | {r['specroll']['tree_step_share']:.2f} | "
                        f"{r['oracle']['tau']:.2f} | {r['oracle']['speedup']:.2f}x | "
                        f"{r['oracle']['tree_step_share']:.2f} |")
+  bucket_lines = bucket_table(main_run)
   (out / 'README.md').write_text(
       f"# Rollout benchmark ({Path(c.out_dir).name})\n\nCommand: `{result['command']}` "
       f"(backend {jax.default_backend()}, C_hw = {capacity} tokens)\n\n"
-      + '\n'.join(lines) + '\n\n## Against the number of responses in the batch\n\n' + '\n'.join(sweep_lines)
+      + '\n'.join(lines) + '\n\n## By batch bucket (the main run)\n\n' + '\n'.join(bucket_lines)
+      + '\n\n## Against the number of responses in the batch\n\n' + '\n'.join(sweep_lines)
       + '\n\n![tau and speedup](tau_speedup.png)\n')
   batches = sorted(sweep)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -130,7 +139,25 @@ def main(argv):
     ax.legend()
   fig.tight_layout()
   fig.savefig(out / 'tau_speedup.png', dpi=100)
-  print('\n'.join(lines + [''] + sweep_lines))
+  print('\n'.join(lines + [''] + bucket_lines + [''] + sweep_lines))
+
+
+def bucket_table(run) -> list:
+  """Markdown rows: per batch bucket, vanilla's share of its decode time and tokens/s, and
+  for each speculative engine its tree width, price (plain steps), tau and speedup there."""
+  speculative = [n for n in ('specroll', 'oracle') if n in run]
+  header = '| bucket | vanilla share | vanilla tok/s | ' + ' | '.join(
+      f'{n} width | {n} price | {n} tau | {n} speedup' for n in speculative) + ' |'
+  lines = [header, '|' + '---:|' * (3 + 4 * len(speculative))]
+  fmt = lambda x, spec: '-' if x is None else format(x, spec)
+  for batch, v in sorted(run['vanilla']['buckets'].items()):
+    cells = [str(batch), f"{v['share']:.3f}", f"{v['tokens_per_s']:.1f}"]
+    for name in speculative:
+      b = run[name]['buckets'].get(batch, {})
+      cells += [str(b.get('width', '-')), fmt(b.get('price'), '.2f'), fmt(b.get('tau'), '.2f'),
+                fmt(b.get('speedup'), '.2f')]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return lines
 
 
 if __name__ == '__main__':

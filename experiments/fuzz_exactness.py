@@ -170,11 +170,11 @@ def run_case(case: Case) -> Outcome:
   if case.proposer == 'group':
     proposer = GroupProposer(GROUP, base=proposer)
   if case.proposer == 'oracle':
-    proposer = OracleProposer(proposer)
+    proposer = OracleProposer(proposer.depth, base=proposer)
   engine = SpecEngine(config, proposer, TreeConfig(max_nodes=case.max_nodes,
                                                    capacity_tokens=case.capacity_tokens),
                       sampler, eos)
-  params = (oracle_engine_params(engine, policy, heads, vanilla, case.max_new_tokens)
+  params = (oracle_engine_params(engine, policy, vanilla, case.max_new_tokens, heads)
             if case.proposer == 'oracle' else engine.params(policy.params, heads))
   spec = Driver(engine, rollout).generate(params, prompts, case.num_samples, case.seed)
   width = MAX_PROMPT + case.max_new_tokens

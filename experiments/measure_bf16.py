@@ -83,9 +83,9 @@ def measure(mode: str, prompts) -> dict:
     heads = init_heads(HEADS, policy.config, seed=1)
     tree = TreeConfig(max_nodes=16, capacity_tokens=512)
     base = HeadProposer(policy.config, HEADS, HeadDraftConfig((4, 2, 2, 2)), sampler)
-    oracle = SpecEngine(policy.config, OracleProposer(base), tree, sampler, ())
-    with_oracle = run(oracle, 64, oracle_engine_params(oracle, policy, heads, wide,
-                                                       _TOKENS.value))
+    oracle = SpecEngine(policy.config, OracleProposer(base.depth, base=base), tree, sampler, ())
+    with_oracle = run(oracle, 64, oracle_engine_params(oracle, policy, wide, _TOKENS.value,
+                                                       heads))
     with_heads_engine = SpecEngine(policy.config, base, tree, sampler, ())
     with_heads = run(with_heads_engine, 64, with_heads_engine.params(policy.params, heads))
     tau = lambda rs: sum(len(r.token_ids) for r in rs) / sum(r.steps for r in rs)

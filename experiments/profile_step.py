@@ -134,7 +134,7 @@ def main(argv):
   else:
     reference = Driver(engines['vanilla'], rollout).generate(policy.params, prompts, samples,
                                                              c.seed)
-    params = oracle_engine_params(engine, policy, heads, reference, c.max_new_tokens)
+    params = oracle_engine_params(engine, policy, reference, c.max_new_tokens)
   state = Driver(engine, rollout).first_state(params, prompts, samples)
   result = profile_loop(engine, params, state, jax.random.key(c.seed))
   result.update(command=' '.join(['python -m experiments.profile_step'] + sys.argv[1:]),

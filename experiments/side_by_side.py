@@ -1,6 +1,9 @@
 """Engines side by side on one workload, in this process: the same prompts, seed and sampler;
 each engine is compiled once, then timed `repeats` times in alternation, and ratios of
-medians are reported (what bench_rollout and bench_group_drafts measure)."""
+medians are reported (what bench_rollout and bench_group_drafts measure). Each engine's time
+is also split by batch bucket (the driver's segments), so the GRPO tail, the last few rows
+of a rollout, is measured on its own."""
+import collections
 import statistics
 import time
 from functools import partial
@@ -49,6 +52,26 @@ def hf_generate_run(policy, prompts, samples, c):
   return run, counted
 
 
+def by_bucket(engine, segments, repeats: int) -> dict:
+  """{batch: its share of the engine's decode time, seconds per run, tokens per second, tau
+  (tokens per row step), and for a speculative engine the tree width and the price its gate
+  holds there}, from the Segments of `repeats` runs. A bucket's rows and tokens are the same
+  for every engine up to where inside a step a row crosses the bucket's boundary, so
+  per-bucket speedups compare tokens per second."""
+  totals = collections.defaultdict(lambda: collections.Counter())
+  for s in segments:
+    totals[s.batch].update(seconds=s.seconds, tokens=s.tokens, row_steps=s.row_steps)
+  decode_seconds = sum(t['seconds'] for t in totals.values())
+  out = {}
+  for batch, t in sorted(totals.items()):
+    out[batch] = dict(share=t['seconds'] / decode_seconds, seconds=t['seconds'] / repeats,
+                      tokens_per_s=t['tokens'] / t['seconds'] if t['seconds'] else 0.0,
+                      tau=t['tokens'] / max(t['row_steps'], 1))
+    if hasattr(engine, 'tree_width'):
+      out[batch].update(width=engine.tree_width(batch), price=engine.tree_step_cost(batch))
+  return out
+
+
 def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices,
             names=('vanilla', 'specroll', 'oracle')):
   """One side-by-side run of the engines `names` (workloads.ENGINE_NAMES, vanilla first) on
@@ -63,12 +86,13 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, pri
             if name not in ('vanilla', 'oracle')}
   params['vanilla'] = policy.params
   if 'oracle' in engines:
-    params['oracle'] = oracle_engine_params(engines['oracle'], policy, heads, reference,
+    params['oracle'] = oracle_engine_params(engines['oracle'], policy, reference,
                                             c.max_new_tokens)
   if c.speculation_gate:
     engines = gated_engines(engines, params, rollout, prompts, samples, prices,
                             size_widths=c.size_trees)
   drivers = {name: Driver(engine, rollout) for name, engine in engines.items()}
+  segments = {name: [] for name in engines}  # of the timed runs
   runs = {name: partial(drivers[name].generate, params[name], prompts, samples, c.seed)
           for name in engines}
   if c.hf_generate:
@@ -79,7 +103,8 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, pri
   outputs = {}
   for _ in range(c.repeats):
     for name, run in runs.items():
-      outputs[name], t = timed(run, 1)
+      timed_run = partial(run, segments=segments[name]) if name in segments else run
+      outputs[name], t = timed(timed_run, 1)
       times[name] += t
   result = {}
   for name in engines:
@@ -93,6 +118,12 @@ def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, pri
     result[name]['speedup'] = result['vanilla']['median_seconds'] / result[name]['median_seconds']
     result[name]['tokens_per_s'] = (sum(len(r.token_ids) for r in outputs[name])
                                     / result[name]['median_seconds'])
+    result[name]['buckets'] = by_bucket(engines[name], segments[name], c.repeats)
+  for name in engines:
+    for batch, bucket in result[name]['buckets'].items():
+      vanilla = result['vanilla']['buckets'].get(batch)
+      bucket['speedup'] = (bucket['tokens_per_s'] / vanilla['tokens_per_s']
+                           if vanilla and vanilla['tokens_per_s'] else None)
   if c.hf_generate:
     seconds = statistics.median(times['hf_generate'])
     result['hf_generate'] = dict(seconds=times['hf_generate'], median_seconds=seconds,

@@ -68,8 +68,8 @@ ENGINE_NAMES = ('vanilla', 'specroll', 'oracle', 'group', 'both')
 def workload_engines(policy, heads_config, c, tree, sampler,
                      names=('vanilla', 'specroll', 'oracle')) -> dict:
   """The engines `names` of ENGINE_NAMES, with the same trees and budget: 'vanilla';
-  'specroll' (the warm-started heads); 'oracle' (the vanilla rollout's true future before
-  the heads' candidates); 'group' (group drafts alone, c.group); 'both' (group drafts merged
+  'specroll' (the warm-started heads); 'oracle' (the vanilla rollout's true future as a chain
+  as deep as the heads' trees, alone: the ceiling of the tree, paying for no heads); 'group' (group drafts alone, c.group); 'both' (group drafts merged
   with the heads)."""
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))
@@ -80,7 +80,7 @@ def workload_engines(policy, heads_config, c, tree, sampler,
   makers = {
       'vanilla': lambda: VanillaEngine(policy.config, sampler, policy.eos_ids),
       'specroll': lambda: speculative(heads_proposer),
-      'oracle': lambda: speculative(OracleProposer(heads_proposer)),
+      'oracle': lambda: speculative(OracleProposer(heads_proposer.depth)),
       'group': lambda: speculative(GroupProposer(group_drafts)),
       'both': lambda: speculative(GroupProposer(group_drafts, base=heads_proposer))}
   unknown = [n for n in names if n not in makers]
@@ -89,12 +89,13 @@ def workload_engines(policy, heads_config, c, tree, sampler,
   return {name: makers[name]() for name in names}
 
 
-def oracle_engine_params(oracle_engine, policy, heads, reference, max_new_tokens):
-  """The oracle's parameters: the heads and the `reference` responses' tokens."""
+def oracle_engine_params(oracle_engine, policy, reference, max_new_tokens, base_params=None):
+  """The oracle's parameters: the `reference` responses' tokens and its base proposer's
+  parameters (`base_params`, None for a chain alone)."""
   oracle_tokens = np.zeros((len(reference), max_new_tokens), np.int32)
   for i, r in enumerate(reference):
     oracle_tokens[i, :len(r.token_ids)] = r.token_ids
-  return oracle_engine.params(policy.params, OracleParams(heads, jnp.asarray(oracle_tokens)))
+  return oracle_engine.params(policy.params, OracleParams(base_params, jnp.asarray(oracle_tokens)))
 
 
 @dataclasses.dataclass(frozen=True)

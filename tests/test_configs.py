@@ -1,7 +1,7 @@
 """Every shipped config loads and is consistent with what the trainer will build."""
 import pytest
 
-from configs import bench_w2, bench_w3, group_drafts, paper, tiny_math
+from configs import bench_w2, bench_w3, bench_w4, group_drafts, paper, tiny_math
 from configs.tiny_math import get_config
 from specroll_jax.rl.trainer import check_config, train
 from specroll_jax.tasks.data import load_dataset
@@ -43,7 +43,7 @@ def test_paper_config_rejects_unknown_names():
     paper.get_config('gpt2,gsm8k')
 
 
-@pytest.mark.parametrize('module', [bench_w2, bench_w3])
+@pytest.mark.parametrize('module', [bench_w2, bench_w3, bench_w4])
 def test_bench_config_loads(module):
   c = module.get_config()
   assert c.num_prompts * c.samples_per_prompt in c.batch_sweep

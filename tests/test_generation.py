@@ -112,6 +112,20 @@ def test_eos_ends_a_response_where_it_is_drawn(stories_policy):
     assert out.token_ids == ref.token_ids[:cut]
 
 
+def test_segments_account_for_every_token_and_step_by_bucket(stories_policy):
+  """The driver's per-bucket timing (the benchmarks' tail figures) covers the whole rollout."""
+  engine = VanillaEngine(stories_policy.config, SamplerConfig(temperature=1.0), (2,))
+  driver = Driver(engine, RolloutConfig(max_new_tokens=24, max_batch=16))
+  segments = []
+  out = driver.generate(stories_policy.params, _encode(stories_policy, PROMPTS[:3]), 4, 0,
+                        segments=segments)
+  assert [s.batch for s in segments] == sorted({s.batch for s in segments}, reverse=True)
+  assert segments[0].batch == 16 and segments[0].running == 12
+  assert all(s.running <= s.batch and s.seconds > 0 for s in segments)
+  assert sum(s.tokens for s in segments) == sum(len(r.token_ids) for r in out)
+  assert sum(s.row_steps for s in segments) == sum(r.steps for r in out)
+
+
 def test_no_recompilation_in_steady_state(stories_policy):
   sampler = SamplerConfig(temperature=1.0, top_p=0.95)
   first = _encode(stories_policy, PROMPTS)

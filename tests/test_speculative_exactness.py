@@ -8,8 +8,9 @@ Every test runs twice: with the static head proposer, and with the GRPO default'
 (group drafts, i.e. continuations from the prompt and the sibling samples, merged with
 adapted heads: the Reflex proposer correcting the proposals inside the rollout, its gate
 forced open, on heads the slow path has just updated). Drafts and adaptation may change
-what is proposed, never what is emitted. The oracle proposer wraps whichever the test runs
-with.
+what is proposed, never what is emitted. The oracle proposer's chain runs alone with the
+static proposer (as the benchmarks run it: no heads, no top-M in the walk) and merged with
+the GRPO default's drafting.
 """
 import dataclasses
 
@@ -98,7 +99,9 @@ def _proposer(policy, sampler, branching, oracle=False):
   proposer = HeadProposer(policy.config, HEADS, HeadDraftConfig(branching), sampler)
   if ADAPTIVE:
     proposer = GroupProposer(GROUP, base=ReflexProposer(proposer, OPEN_REFLEX))
-  return OracleProposer(proposer) if oracle else proposer
+  if not oracle:
+    return proposer
+  return OracleProposer(len(branching), base=proposer if ADAPTIVE else None)
 
 
 def _engine(policy, tree, sampler, eos, branching=(8, 4, 2, 2), oracle=False, **kwargs):
@@ -116,7 +119,7 @@ def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_b
     future = np.zeros((len(vanilla), max_new), np.int32)
     for i, r in enumerate(vanilla):
       future[i, :len(r.token_ids)] = r.token_ids
-    proposer_params = OracleParams(heads, jnp.asarray(future))
+    proposer_params = OracleParams(heads if ADAPTIVE else None, jnp.asarray(future))
   engine = _engine(policy, tree, sampler, eos, branching, oracle, **engine_fields)
   spec = Driver(engine, config).generate(engine.params(policy.params, proposer_params),
                                          prompts, num_samples, seed)

@@ -51,6 +51,10 @@ class ReflexProposer(Proposer):
   def num_candidates(self) -> int:
     return self.heads.num_candidates
 
+  @property
+  def feedback_top_m(self) -> int:
+    return self.heads.feedback_top_m
+
   def init(self, prompt_tokens, seqs) -> ReflexProposerState:
     h = self.heads
     batch, max_steps = seqs.tokens.shape

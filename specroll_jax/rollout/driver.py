@@ -6,6 +6,7 @@ smaller batch bucket (one host round trip per halving of the batch, never per to
 finished rows stop costing compute.
 """
 import dataclasses
+import time
 from functools import partial
 
 import jax
@@ -32,6 +33,17 @@ class RolloutConfig:
   prompt_buckets_per_octave: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """One on-device loop of a rollout: a bucket's rows run until the next bucket would hold
+  them. Where a rollout's wall time goes as responses finish (the GRPO tail)."""
+  batch: int        # the bucket's rows (running or not)
+  running: int      # rows still running when the segment started
+  seconds: float    # the loop and reading back which rows finished (no prefill, no gather)
+  tokens: int       # tokens emitted in the segment
+  row_steps: int    # engine steps of running rows (a row's forward, tree or plain)
+
+
 def take_rows(tree, rows: jax.Array):
   """Gathers batch rows of a rollout state (every leaf, KV cache layers included, is row-major)."""
   return jax.tree.map(lambda node: node[rows], tree)
@@ -52,8 +64,9 @@ class Driver:
     self._take_rows = jax.jit(partial(constrain_then_take, engine.mesh))
 
   def generate(self, params, prompts: list[list[int]], num_samples: int, seed: int,
-               progress=None) -> list[Response]:
-    """Responses ordered by (prompt_index, sample_index); response id r = p * G + s."""
+               progress=None, segments: list | None = None) -> list[Response]:
+    """Responses ordered by (prompt_index, sample_index); response id r = p * G + s.
+    With `segments`, every on-device loop's Segment is appended to it."""
     prompt_width, cache_length = self._widths(prompts)
     seed_key = jax.random.key(seed)
     rows = [(p, s) for p in range(len(prompts)) for s in range(num_samples)]
@@ -61,7 +74,7 @@ class Driver:
     for start in range(0, len(rows), self.config.max_batch):
       chunk = list(range(start, min(start + self.config.max_batch, len(rows))))
       self._run_chunk(params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
-                      seed_key, results, progress)
+                      seed_key, results, progress, segments)
     return [results[r] for r in range(len(rows))]
 
   def first_state(self, params, prompts: list[list[int]], num_samples: int):
@@ -113,15 +126,25 @@ class Driver:
     return state, np.where(padding, -1, np.arange(batch) + chunk[0])
 
   def _run_chunk(self, params, prompts, rows, chunk, num_samples, prompt_width, cache_length,
-                 seed_key, results, progress):
+                 seed_key, results, progress, segments):
     state, row_of_slot = self._start_chunk(params, prompts, rows, chunk, prompt_width,
                                            cache_length)
     batch = len(row_of_slot)
+    generated = steps = np.zeros((batch,), np.int64)
     while True:
       smaller = [b for b in self.buckets if b < batch]
       stop_at = smaller[-1] if smaller else 0
+      start = time.perf_counter()
       state = self.engine.run(params, state, seed_key, jnp.int32(stop_at))
       done = to_host(state.seqs.done)
+      seconds = time.perf_counter() - start
+      if segments is not None:
+        now_generated, now_steps = to_host((state.seqs.num_generated, state.seqs.steps))
+        segments.append(Segment(batch=batch, running=int(np.sum(row_of_slot >= 0)),
+                                seconds=seconds,
+                                tokens=int(np.sum(now_generated) - np.sum(generated)),
+                                row_steps=int(np.sum(now_steps) - np.sum(steps))))
+        generated, steps = now_generated, now_steps
       self._collect(state, done & (row_of_slot >= 0), row_of_slot, num_samples, results,
                     progress)
       row_of_slot = np.where(done, -1, row_of_slot)
@@ -134,6 +157,7 @@ class Driver:
       keep = np.concatenate([running, np.flatnonzero(row_of_slot < 0)])[:batch]
       state = self._take_rows(state, np.asarray(keep, np.int32))
       row_of_slot = row_of_slot[keep]
+      generated, steps = generated[keep], steps[keep]
 
   def _collect(self, state, finished, row_of_slot, num_samples, results, progress):
     slots = np.flatnonzero(finished)

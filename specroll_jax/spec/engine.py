@@ -95,7 +95,6 @@ class SpecEngine(Engine):
   eos_ids: tuple
   mesh: Mesh | None = None
   tree_attention: str = 'xla'  # attention for the tree forward (model/attention.py)
-  target_top_m: int = 32       # M: top tokens of the policy kept at each verifier draw
   # ((batch, cost of a tree step in plain steps), ...) ascending, from
   # spec.step_cost.measure_step_costs; empty: no gate, every step of width > 1 is a tree.
   tree_step_costs: tuple = ()
@@ -107,7 +106,9 @@ class SpecEngine(Engine):
 
   @property
   def top_m(self) -> int:
-    return min(self.target_top_m, self.model_config.vocab_size)
+    """M: the policy's top tokens the walk keeps at each draw, as many as the proposer
+    reads (0: no softmax or top-k over the vocabulary in the walk)."""
+    return min(self.proposer.feedback_top_m, self.model_config.vocab_size)
 
   def params(self, policy_params, proposer_params) -> SpecParams:
     return SpecParams(policy=policy_params, proposer=proposer_params)

@@ -288,6 +288,10 @@ class GroupProposer(Proposer):
     chains = self.config.chains * self.config.chain_depth
     return chains + (self.base.num_candidates if self.base else 0)
 
+  @property
+  def feedback_top_m(self) -> int:
+    return self.base.feedback_top_m if self.base else 0
+
   def _chain_parents(self) -> tuple:
     d = self.config.chain_depth
     return tuple(-1 if i == 0 else c * d + i - 1 for c in range(self.config.chains)

@@ -116,6 +116,9 @@ class HeadProposer(Proposer):
   draft: HeadDraftConfig
   sampler: sampling.SamplerConfig
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
+  # The policy's top tokens per drawn depth that HeadStats.candidate_mass sums over (the
+  # slow-path monitor's regret, adapt/monitor.py).
+  feedback_top_m: int = 32
 
   def __post_init__(self):
     if self.draft.depth > self.heads_config.num_heads:

@@ -11,7 +11,9 @@ rollout loop, so a row's state lives exactly as long as its response.
   summarize(stats, steps)                      -> dict of host-side summaries
 
 `levels` (static) is how deep this step's tree can reach; a proposer need not draft below
-it. Candidates are edges (parent candidate, token, score) in a static order with parents
+it. `feedback_top_m` (static) is how many of the policy's top tokens per drawn depth the
+proposer reads in its Feedback; the walk computes that top-M (a softmax and a top-k over
+the vocabulary at every depth) only when some proposer asks for it. Candidates are edges (parent candidate, token, score) in a static order with parents
 first, so drafts from different sources (per-depth head candidates, chains from a suffix
 match, the oracle's true future) can be concatenated and share one node budget in the tree
 builder. Exactness never depends on a proposer: it only decides what the verifier may accept.
@@ -135,6 +137,11 @@ class Proposer(abc.ABC):
   def observe(self, params, state, context: StepContext, proposal: Proposal,
               feedback: Feedback):
     """The state after the verifier's feedback on `proposal`."""
+
+  @property
+  def feedback_top_m(self) -> int:
+    """M of Feedback.target_ids/target_probs that `observe` reads (0: it reads neither)."""
+    return 0
 
   def row_stats(self, state):
     del state

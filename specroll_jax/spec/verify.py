@@ -71,15 +71,21 @@ class WalkState:
                reached=per_depth(bool), last_logits=jnp.zeros((batch, vocab_size), jnp.float32),
                target_ids=per_depth(jnp.int32, top_m), target_probs=per_depth(jnp.float32, top_m))
 
-  def record(self, logits, probs, draw, child, sampler: sampling.SamplerConfig) -> 'WalkState':
-    """Advances one level: `draw` [B] was drawn from `logits`/`probs` at the current node,
-    `child` [B] is the node it matched (-1: none, the walk stops there)."""
+  def record(self, logits, weights, draw, child, sampler: sampling.SamplerConfig) -> 'WalkState':
+    """Advances one level: `draw` [B] was drawn from `logits` (the sampler's log-weights
+    `weights`) at the current node, `child` [B] is the node it matched (-1: none, the walk
+    stops there)."""
     found = self.walking & (child >= 0)
     max_depth = self.drawn.shape[1]
     slot = jnp.minimum(self.depth, max_depth) - 1  # depth H + 1 only projects; nothing to record
     recorded = self.depth <= max_depth
     at_slot = lambda buffer, value: jnp.where(recorded, buffer.at[:, slot].set(value), buffer)
-    top_probs, top_ids = jax.lax.top_k(probs, self.target_ids.shape[-1])
+    target_ids, target_probs = self.target_ids, self.target_probs
+    top_m = target_ids.shape[-1]
+    if top_m:  # static: a softmax and a top-k over the vocabulary, only for a reader
+      top_probs, top_ids = jax.lax.top_k(jax.nn.softmax(weights, axis=-1), top_m)
+      target_ids = at_slot(target_ids, top_ids.astype(jnp.int32))
+      target_probs = at_slot(target_probs, top_probs)
     current = jnp.where(found, child, self.current)
     return WalkState(
         depth=self.depth + 1, current=current, walking=found,
@@ -88,8 +94,7 @@ class WalkState:
         drawn=at_slot(self.drawn, draw), reached=at_slot(self.reached, self.walking),
         # A row whose walk ends here keeps these logits: they seed its next step.
         last_logits=jnp.where((self.walking & ~found)[:, None], logits, self.last_logits),
-        target_ids=at_slot(self.target_ids, top_ids.astype(jnp.int32)),
-        target_probs=at_slot(self.target_probs, top_probs))
+        target_ids=target_ids, target_probs=target_probs)
 
   def result(self, tree: Tree) -> WalkResult:
     return WalkResult(
@@ -110,18 +115,18 @@ def walk(tree: Tree, node_logits, seed_key, response_ids, root_positions,
     root_positions: int32 [B] absolute position of each root token.
     max_depth: deepest tree level (H); the walk projects at most H + 1 nodes per row.
     top_m: M, how many of the policy's top tokens to keep at each drawn depth (the
-      delayed feedback Reflex and the slow-path monitor learn from).
+      delayed feedback Reflex and the slow-path monitor learn from; 0: none, and the walk
+      runs no softmax or top-k over the vocabulary).
   """
   def descend(state: WalkState) -> WalkState:
     logits = node_logits(state.current)
     keys = sampling.token_keys(seed_key, response_ids, root_positions + state.depth)
     weights = sampling.log_weights(logits, sampler)
-    probs = jax.nn.softmax(weights, axis=-1)
     draw = sampling.draw(logits, keys, sampler, weights)
     is_child = (tree.valid & (tree.parents == state.current[:, None])
                 & (tree.depths == state.depth) & (tree.tokens == draw[:, None]))
     child = jnp.where(is_child.any(axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)
-    return state.record(logits, probs, draw, child, sampler)
+    return state.record(logits, weights, draw, child, sampler)
 
   init = WalkState.init(tree.tokens.shape[0], max_depth, vocab_size, top_m)
   final = jax.lax.while_loop(lambda s: (s.depth <= max_depth + 1) & s.walking.any(), descend,
