@@ -13,7 +13,9 @@ rollout loop, so a row's state lives exactly as long as its response.
 `levels` (static) is how deep this step's tree can reach; a proposer need not draft below
 it. `feedback_top_m` (static) is how many of the policy's top tokens per drawn depth the
 proposer reads in its Feedback; the walk computes that top-M (a softmax and a top-k over
-the vocabulary at every depth) only when some proposer asks for it. Candidates are edges (parent candidate, token, score) in a static order with parents
+the vocabulary at every depth) only when some proposer asks for it.
+
+Candidates are edges (parent candidate, token, score) in a static order with parents
 first, so drafts from different sources (per-depth head candidates, chains from a suffix
 match, the oracle's true future) can be concatenated and share one node budget in the tree
 builder. Exactness never depends on a proposer: it only decides what the verifier may accept.
