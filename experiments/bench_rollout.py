@@ -10,8 +10,9 @@ the whole rollout and per batch bucket (as rows finish, the driver compacts to s
 buckets: the tail). The oracle's trees are the vanilla rollout's true future as a chain
 as deep as the heads' trees, alone, priced and sized like SpecRoll's: the ceiling of this
 tree design on this hardware. A sweep over the number of responses gives tau and speedup
-against the active batch size. With `hf_generate`, transformers' `generate` (torch) samples the same prompts
-with the same sampler; its samples differ (another RNG), so it is compared in tokens/s.
+against the active batch size. With `hf_generate`, transformers' `generate` (torch) samples
+the same prompts with the same sampler; its samples differ (another RNG), so it is compared
+in tokens/s.
 """
 import json
 import sys

@@ -58,7 +58,7 @@ def by_bucket(engine, segments, repeats: int) -> dict:
   holds there}, from the Segments of `repeats` runs. A bucket's rows and tokens are the same
   for every engine up to where inside a step a row crosses the bucket's boundary, so
   per-bucket speedups compare tokens per second."""
-  totals = collections.defaultdict(lambda: collections.Counter())
+  totals = collections.defaultdict(collections.Counter)
   for s in segments:
     totals[s.batch].update(seconds=s.seconds, tokens=s.tokens, row_steps=s.row_steps)
   decode_seconds = sum(t['seconds'] for t in totals.values())

@@ -69,8 +69,8 @@ def workload_engines(policy, heads_config, c, tree, sampler,
                      names=('vanilla', 'specroll', 'oracle')) -> dict:
   """The engines `names` of ENGINE_NAMES, with the same trees and budget: 'vanilla';
   'specroll' (the warm-started heads); 'oracle' (the vanilla rollout's true future as a chain
-  as deep as the heads' trees, alone: the ceiling of the tree, paying for no heads); 'group' (group drafts alone, c.group); 'both' (group drafts merged
-  with the heads)."""
+  as deep as the heads' trees, alone: the ceiling of the tree, paying for no heads); 'group'
+  (group drafts alone, c.group); 'both' (group drafts merged with the heads)."""
   heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
                                  HeadDraftConfig(tuple(c.branching)))
   group_drafts = (build(GroupDraftConfig, c.group, 'group')
