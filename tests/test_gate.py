@@ -18,8 +18,9 @@ from specroll_jax.spec.tree import TreeConfig
 CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, max_probe_interval=16, horizon=4)
 
 
-def _state(accepted, tree_steps, since_tree):
+def _state(accepted, attempted, tree_steps, since_tree):
   return GateState(accepted=jnp.asarray(accepted, jnp.float32),
+                   attempted=jnp.asarray(attempted, jnp.float32),
                    tree_steps=jnp.asarray(tree_steps, jnp.int32),
                    since_tree=jnp.asarray(since_tree, jnp.int32),
                    interval=jnp.full((len(accepted),), CONFIG.probe_interval, jnp.int32))
@@ -27,37 +28,61 @@ def _state(accepted, tree_steps, since_tree):
 
 def test_tree_runs_while_warming_up_probing_or_paying():
   running = jnp.array([True, True, False])
-  # Warmed up, last tree one step ago, 1 + mean(0.5, 1.5) = 2.0 tokens expected.
-  settled = _state([0.5, 1.5, 9.0], [5, 5, 0], [1, 1, 0])
-  assert float(gate.expected_tokens(settled, running)) == 2.0  # the finished row is ignored
-  assert bool(gate.tree_pays(CONFIG, settled, running, 1.9))
-  assert not bool(gate.tree_pays(CONFIG, settled, running, 2.1))
+  # Warmed up, last tree one step ago; level rates 0.5 and 1.0: at 2 levels a row expects
+  # 0.5 + 0.25 and 1 + 1 tokens, 1 + mean(0.75, 2.0) = 2.375 in all.
+  settled = _state([0.5, 2.0, 9.0], [1.0, 2.0, 9.0], [5, 5, 0], [1, 1, 0])
+  # The finished row is ignored.
+  np.testing.assert_allclose(float(gate.expected_tokens(settled, running, 2)), 2.375)
+  assert bool(gate.tree_pays(CONFIG, settled, running, 2.3, 2))
+  assert not bool(gate.tree_pays(CONFIG, settled, running, 2.4, 2))
   warming = settled.replace(tree_steps=jnp.array([5, 1, 5], jnp.int32))
-  assert bool(gate.tree_pays(CONFIG, warming, running, 2.1))
+  assert bool(gate.tree_pays(CONFIG, warming, running, 2.4, 2))
   probing = settled.replace(since_tree=jnp.array([4, 4, 0], jnp.int32))
-  assert bool(gate.tree_pays(CONFIG, probing, running, 2.1))
+  assert bool(gate.tree_pays(CONFIG, probing, running, 2.4, 2))
   # A finished row neither warms up nor probes.
   finished_only = settled.replace(tree_steps=jnp.array([5, 5, 0], jnp.int32),
                                   since_tree=jnp.array([1, 1, 9], jnp.int32))
-  assert not bool(gate.tree_pays(CONFIG, finished_only, running, 2.1))
+  assert not bool(gate.tree_pays(CONFIG, finished_only, running, 2.4, 2))
 
 
-def test_running_mean_then_decay_and_plain_steps_count():
+def test_running_means_then_decay_and_plain_steps_count():
   running = jnp.array([True, False])
   state = GateState.init(CONFIG, 2)
   for accepted in (4, 2):
-    state = gate.after_tree(CONFIG, state, jnp.array([accepted, 7]), running, 1.5)
-  # A plain mean over the first trees (3.0), then weight 1 / horizon.
+    state = gate.after_tree(CONFIG, state, jnp.array([accepted, 7]), running, 1.5, 4)
+  # Plain means over the first trees (accepted 3.0; tried 4 and 3 levels), then weight
+  # 1 / horizon.
   np.testing.assert_allclose(np.asarray(state.accepted), [3.0, 0.0])
-  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5)  # 3 + (0 - 3) / 3
-  state = gate.after_tree(CONFIG, state, jnp.array([4, 7]), running, 1.5)  # 2 + (4 - 2) / 4
-  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5)  # 2.5 - 2.5 / 4
+  np.testing.assert_allclose(np.asarray(state.attempted), [3.5, 0.0])
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5, 4)  # 3 + (0 - 3) / 3
+  state = gate.after_tree(CONFIG, state, jnp.array([4, 7]), running, 1.5, 4)  # 2 + (4 - 2) / 4
+  state = gate.after_tree(CONFIG, state, jnp.array([0, 7]), running, 1.5, 4)  # 2.5 - 2.5 / 4
   np.testing.assert_allclose(np.asarray(state.accepted), [1.875, 0.0])
+  np.testing.assert_allclose(np.asarray(state.level_rate), [1.875 / 2.5, 0.0])
   assert state.tree_steps.tolist() == [5, 0]
   state = gate.after_plain(gate.after_plain(state, running), running)
   assert state.since_tree.tolist() == [2, 0]
   assert gate.after_tree(CONFIG, state, jnp.array([1, 1]), running,
-                         1.5).since_tree.tolist() == [0, 0]
+                         1.5, 4).since_tree.tolist() == [0, 0]
+
+
+def test_trees_that_accept_every_level_keep_paying_after_compaction_widens_them():
+  """A row that accepts the one level of 2-node trees is a full-rate row: at the next
+  bucket's 3 levels it expects 4 tokens, above a price of 2.6 (W4's 32 -> 16 rows)."""
+  running = jnp.array([True, True])
+  state = GateState.init(CONFIG, 2)
+  for _ in range(3):
+    state = gate.after_tree(CONFIG, state, jnp.array([1, 1]), running, 1.76, 1)
+  np.testing.assert_allclose(float(gate.expected_tokens(state, running, 3)), 4.0)
+  assert bool(gate.tree_pays(CONFIG, state, running, 2.6, 3))
+  # A row that misses its one level half the time expects 1/2 + 1/4 + 1/8 at 3 levels.
+  state = GateState.init(CONFIG, 2)
+  for accepted in (0, 1, 0, 1):
+    state = gate.after_tree(CONFIG, state, jnp.array([accepted, accepted]), running, 1.76, 1)
+  np.testing.assert_allclose(float(gate.expected_tokens(state, running, 3)), 1.875, rtol=1e-6)
+  assert not bool(gate.tree_pays(CONFIG, state.replace(since_tree=jnp.zeros(2, jnp.int32),
+                                                       tree_steps=jnp.full(2, 9, jnp.int32)),
+                                 running, 2.6, 3))
 
 
 def test_probes_that_do_not_pay_back_off_and_a_tree_that_pays_resets():
@@ -65,11 +90,15 @@ def test_probes_that_do_not_pay_back_off_and_a_tree_that_pays_resets():
   state = GateState.init(CONFIG, 2)
   intervals = []
   for _ in range(4):
-    state = gate.after_tree(CONFIG, state, jnp.array([0, 0]), running, 2.0)
+    state = gate.after_tree(CONFIG, state, jnp.array([0, 0]), running, 2.5, 4)
     intervals.append(state.interval.tolist())
   # Doubling up to max_probe_interval; the finished row keeps its interval.
   assert intervals == [[8, 4], [16, 4], [16, 4], [16, 4]]
-  paid = gate.after_tree(CONFIG, state, jnp.array([9, 0]), running, 2.0)  # mean 9 / 5 + 1 > 2
+  # All 4 levels accepted, weight 1/4: 1 accepted of 1.75 tried, rate 4/7, 2.19 tokens.
+  unpaid = gate.after_tree(CONFIG, state, jnp.array([4, 0]), running, 2.5, 4)
+  assert unpaid.interval.tolist() == [16, 4]
+  # Again: 1.75 of 2.3125, rate 0.76, 3.09 tokens.
+  paid = gate.after_tree(CONFIG, unpaid, jnp.array([4, 0]), running, 2.5, 4)
   assert paid.interval.tolist() == [4, 4]
 
 

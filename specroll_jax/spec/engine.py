@@ -123,6 +123,10 @@ class SpecEngine(Engine):
     """
     return min(self.tree_config.width(batch), 1 + self.proposer.num_candidates)
 
+  def tree_levels(self, batch: int) -> int:
+    """Depths a bucket's tree reaches: a tree of N slots never reaches below depth N - 1."""
+    return min(self.proposer.depth, self.tree_width(batch) - 1)
+
   def tree_step_cost(self, batch: int) -> float | None:
     """The measured cost of a tree step at this bucket: that of the nearest measured batch
     at or above it (the largest measured one beyond the table); None without a table."""
@@ -166,7 +170,8 @@ class SpecEngine(Engine):
     cost = self.tree_step_cost(batch)
     if self.tree_width(batch) == 1 or cost is None:
       return self.step(params, state, seed_key)
-    pays = lambda s: gate.tree_pays(self.gate_config, s.gate, ~s.seqs.done, cost)
+    levels = self.tree_levels(batch)
+    pays = lambda s: gate.tree_pays(self.gate_config, s.gate, ~s.seqs.done, cost, levels)
     with jax.named_scope('gate'):
       state = jax.lax.while_loop(lambda s: keep_going(s) & pays(s),
                                  lambda s: self.tree_step(params, s, seed_key), state)
@@ -177,8 +182,7 @@ class SpecEngine(Engine):
     """One speculative step; each stage is a named scope (experiments.profile_step's rows)."""
     seqs, tc, depth = state.seqs, self.tree_config, self.proposer.depth
     batch, running = seqs.done.shape[0], ~seqs.done
-    width = self.tree_width(batch)
-    levels = min(depth, width - 1)  # a tree of N slots never reaches below depth N - 1
+    width, levels = self.tree_width(batch), self.tree_levels(batch)
     positions = seqs.next_positions
     with jax.named_scope('root_draw'):
       root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
@@ -206,7 +210,7 @@ class SpecEngine(Engine):
       tree_stats = state.tree_stats.record(feedback, budget, running)
       cost = self.tree_step_cost(batch)  # None: no gate, so every tree counts as paying
       gate_state = gate.after_tree(self.gate_config, state.gate, result.accepted, running,
-                                   0.0 if cost is None else cost)
+                                   0.0 if cost is None else cost, levels)
     with jax.named_scope('observe'):
       proposer_state = self.proposer.observe(params.proposer, state.proposer, context,
                                              proposal, feedback)

@@ -2,8 +2,17 @@
 
 At a batch bucket a tree step costs `cost` plain (vanilla) steps, as measured on the
 engine's own steps by spec/step_cost.py. A tree step emits 1 + accepted tokens per row, and a
-plain step emits 1. For each row the gate keeps a running mean of the draft tokens accepted
-per tree step. It runs the tree when the running rows' mean says 1 + accepted > cost.
+plain step emits 1. It runs the tree when the running rows' expected 1 + accepted > cost.
+
+What a row accepts is bounded by the levels its tree reaches, `min(depth, width - 1)`, and
+the driver's compaction widens the trees (W4, SmolLM2 at 32 -> 16 rows: 2 nodes, 1 level ->
+4 nodes, 3 levels). A mean of accepted tokens learned on 1-level trees caps the expectation
+at 2 tokens, below a 3-level tree's price of 2.60 plain steps, and the gate ran plain steps
+where the oracle's trees emitted 3.99 tokens. So each row keeps the acceptance rate per level:
+each level the walk reached is a trial, accepted if its token matched (a row that accepts
+a < L of L levels made a + 1 trials, one that accepts all L made L). A row of rate r expects
+r + r^2 + ... + r^L tokens from L levels: exact for a chain whose levels accept
+independently at r; wider trees accept more per level, so after compaction it errs low.
 
 Rows learn nothing during plain steps, so the gate probes with one tree step after
 `probe_interval` plain steps, and the first `warmup_tree_steps` steps of a response are
@@ -44,6 +53,7 @@ class GateConfig:
 class GateState:
   """Per-row state, so it survives the driver's compaction like every other row."""
   accepted: jax.Array    # float32 [B] mean draft tokens accepted per tree step
+  attempted: jax.Array   # float32 [B] mean levels tried per tree step (accepted + a miss)
   tree_steps: jax.Array  # int32 [B] tree steps this response has taken
   since_tree: jax.Array  # int32 [B] steps since this response's last tree step
   interval: jax.Array    # int32 [B] plain steps before this response's next probe
@@ -51,34 +61,47 @@ class GateState:
   @classmethod
   def init(cls, config: GateConfig, batch: int) -> 'GateState':
     zeros = jnp.zeros((batch,), jnp.int32)
-    return cls(accepted=jnp.zeros((batch,)), tree_steps=zeros, since_tree=zeros,
-               interval=jnp.full((batch,), config.probe_interval, jnp.int32))
+    return cls(accepted=jnp.zeros((batch,)), attempted=jnp.zeros((batch,)), tree_steps=zeros,
+               since_tree=zeros, interval=jnp.full((batch,), config.probe_interval, jnp.int32))
+
+  @property
+  def level_rate(self) -> jax.Array:
+    """float32 [B]: the fraction of tried levels accepted (0 before a row's first tree)."""
+    return jnp.where(self.attempted > 0, self.accepted / jnp.maximum(self.attempted, 1e-9), 0.0)
 
 
-def expected_tokens(state: GateState, running) -> jax.Array:
-  """Tokens per row that a tree step is expected to emit: 1 + the running rows' mean."""
+def expected_tokens(state: GateState, running, levels: int) -> jax.Array:
+  """Tokens per row that a tree of `levels` levels is expected to emit: 1 + the running
+  rows' mean of r + ... + r^levels."""
   live = running.astype(jnp.float32)
-  return 1.0 + jnp.sum(live * state.accepted) / jnp.maximum(jnp.sum(live), 1.0)
+  powers = state.level_rate[:, None] ** jnp.arange(1, levels + 1, dtype=jnp.float32)
+  return 1.0 + jnp.sum(live * jnp.sum(powers, axis=1)) / jnp.maximum(jnp.sum(live), 1.0)
 
 
-def tree_pays(config: GateConfig, state: GateState, running, cost: float) -> jax.Array:
-  """bool []: run the tree at this step (warming up, probing, or expected to pay)."""
+def tree_pays(config: GateConfig, state: GateState, running, cost: float,
+              levels: int) -> jax.Array:
+  """bool []: run the tree of `levels` levels at this step (warming up, probing, or
+  expected to pay)."""
   warming_up = jnp.any(running & (state.tree_steps < config.warmup_tree_steps))
   probing = jnp.any(running & (state.since_tree >= state.interval))
-  return warming_up | probing | (expected_tokens(state, running) > cost)
+  return warming_up | probing | (expected_tokens(state, running, levels) > cost)
 
 
-def after_tree(config: GateConfig, state: GateState, accepted, running, cost: float) -> GateState:
-  """Folds a tree step's accepted draft tokens per row (int [B]) into the running means,
-  and resets (the tree paid) or doubles (it did not) the probe interval."""
+def after_tree(config: GateConfig, state: GateState, accepted, running, cost: float,
+               levels: int) -> GateState:
+  """Folds a tree step's accepted draft tokens per row (int [B]) out of `levels` into the
+  running means, and resets (the tree paid) or doubles (it did not) the probe interval."""
   steps = state.tree_steps + running.astype(jnp.int32)
   weight = 1.0 / jnp.minimum(jnp.maximum(steps, 1), config.horizon).astype(jnp.float32)
-  mean = state.accepted + weight * (accepted.astype(jnp.float32) - state.accepted)
-  updated = GateState(accepted=jnp.where(running, mean, state.accepted), tree_steps=steps,
+  accepted = accepted.astype(jnp.float32)
+  attempted = jnp.minimum(accepted + 1.0, float(levels))
+  fold = lambda mean, sample: jnp.where(running, mean + weight * (sample - mean), mean)
+  updated = GateState(accepted=fold(state.accepted, accepted),
+                      attempted=fold(state.attempted, attempted), tree_steps=steps,
                       since_tree=jnp.where(running, 0, state.since_tree),
                       interval=state.interval)
   backed_off = jnp.minimum(2 * state.interval, config.max_probe_interval)
-  interval = jnp.where(expected_tokens(updated, running) > cost, config.probe_interval,
+  interval = jnp.where(expected_tokens(updated, running, levels) > cost, config.probe_interval,
                        backed_off)
   return updated.replace(interval=jnp.where(running, interval, state.interval))
 
