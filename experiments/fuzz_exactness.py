@@ -5,7 +5,9 @@
 A case is a random tiny policy (vocabulary, width, depth, attention heads, tied or not, how
 peaked its next-token distributions are), random draft heads (fresh, random or
 deliberately bad, 1-4 of them with random branching), a proposer (static heads, Reflex with
-its gate forced open, group drafts over Reflex, or the oracle), a tree budget, a batch
+its gate forced open, group drafts over Reflex, the oracle, or the sequential drafter alone
+or under group drafts, over half the vocabulary, as fresh, random or bad as the heads), a
+tree budget, a batch
 (prompts of random lengths and ids, samples per prompt, the largest batch bucket), an EOS
 id or none, a response length and a sampler (greedy, or temperature / top-k / top-p).
 Greedy cases must be token-identical. A sampled response may differ only where a float
@@ -38,13 +40,15 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.drafter import DrafterConfig, DrafterParams, init_drafter
+from specroll_jax.spec.drafter_proposer import DrafterProposer
 from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.spec.heads import HeadsConfig, init_heads
 from specroll_jax.spec.oracle_proposer import OracleProposer
 from specroll_jax.spec.tree import TreeConfig
 
-PROPOSERS = ('heads', 'reflex', 'group', 'oracle')
+PROPOSERS = ('heads', 'reflex', 'group', 'oracle', 'drafter', 'drafter_group')
 MAX_PROMPT, MAX_NEW = 12, 24
 # The gate open from the first feedback, with large corrections: proposals really move.
 OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
@@ -152,6 +156,39 @@ class Outcome:
   seconds: float
 
 
+def _drafter_params(case: Case, config: ModelConfig, drafter: DrafterConfig) -> DrafterParams:
+  """Over a random half of the vocabulary; fresh, or its block's output scaled by noise."""
+  vocab = np.sort(np.random.default_rng(case.seed).permutation(config.vocab_size)[
+      :drafter.vocab_size(config)])
+  params = init_drafter(drafter, config, vocab, seed=case.model_seed + 1)
+  if case.heads_kind == 'fresh':
+    return params
+  scale = {'random': 0.3, 'bad': 30.0}[case.heads_kind]
+  down = params.weights['down']['kernel']
+  noise = jax.random.normal(jax.random.key(case.seed), down.shape) * scale
+  return params.replace(weights=dict(params.weights, down={'kernel': noise}))
+
+
+def _proposer(case: Case, config: ModelConfig):
+  """(the case's proposer, its parameters without the oracle's future)."""
+  if case.proposer.startswith('drafter'):
+    drafter = DrafterConfig(depth=len(case.branching), hidden_multiplier=1.0,
+                            draft_vocab_size=config.vocab_size // 2)
+    proposer = DrafterProposer(config, drafter, case.branching, case.sampler)
+    if case.proposer == 'drafter_group':
+      proposer = GroupProposer(GROUP, base=proposer)
+    return proposer, _drafter_params(case, config, drafter)
+  heads_config = HeadsConfig(num_heads=len(case.branching))
+  proposer = HeadProposer(config, heads_config, HeadDraftConfig(case.branching), case.sampler)
+  if case.proposer in ('reflex', 'group'):
+    proposer = ReflexProposer(proposer, OPEN_REFLEX)
+  if case.proposer == 'group':
+    proposer = GroupProposer(GROUP, base=proposer)
+  if case.proposer == 'oracle':
+    proposer = OracleProposer(proposer.depth, base=proposer)
+  return proposer, _heads(case, config, heads_config)
+
+
 def run_case(case: Case) -> Outcome:
   """Vanilla and SpecRoll on one case, and how their responses compare."""
   start = time.perf_counter()
@@ -162,15 +199,7 @@ def run_case(case: Case) -> Outcome:
   prompts = [list(p) for p in case.prompts]
   vanilla = Driver(VanillaEngine(config, sampler, eos), rollout).generate(
       policy.params, prompts, case.num_samples, case.seed)
-  heads_config = HeadsConfig(num_heads=len(case.branching))
-  heads = _heads(case, config, heads_config)
-  proposer = HeadProposer(config, heads_config, HeadDraftConfig(case.branching), sampler)
-  if case.proposer in ('reflex', 'group'):
-    proposer = ReflexProposer(proposer, OPEN_REFLEX)
-  if case.proposer == 'group':
-    proposer = GroupProposer(GROUP, base=proposer)
-  if case.proposer == 'oracle':
-    proposer = OracleProposer(proposer.depth, base=proposer)
+  proposer, heads = _proposer(case, config)
   engine = SpecEngine(config, proposer, TreeConfig(max_nodes=case.max_nodes,
                                                    capacity_tokens=case.capacity_tokens),
                       sampler, eos)

@@ -1,15 +1,18 @@
 """The rollout benchmarks' workloads, shared by bench_rollout and profile_step: prompts,
 warm-started heads and the engines, all from a bench config (configs/bench_w2.py, bench_w3.py)."""
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 
 from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
+from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_drafter
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.drafter import DrafterConfig, has_drafter, load_drafter
 from specroll_jax.spec.factory import head_proposer, make_engine
 from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig
@@ -28,14 +31,16 @@ def benchmark_prompts(policy, c):
   return [policy.prompt_ids(t.prompt, c.chat_template) for t in tasks]
 
 
-def head_training_prompts(policy, c):
-  """What the heads are warm-started from: BOS (stories) or the *train* split's questions."""
-  if c.heads.prompts == 'bos':
+def head_training_prompts(policy, c, section=None):
+  """What the heads (or the drafter: section=c.drafter) are warm-started from: BOS
+  (stories) or the *train* split's questions."""
+  s = c.heads if section is None else section
+  if s.prompts == 'bos':
     return [[policy.config.bos_token_id]]
-  tasks = load_tasks(c.heads.prompts, count=c.heads.num_sequences, seed=c.heads.seed,
-                     data_dir=c.data_dir, split='train', chat=c.chat_template)
+  tasks = load_tasks(s.prompts, count=s.num_sequences, seed=s.seed, data_dir=c.data_dir,
+                     split='train', chat=c.chat_template)
   return [policy.prompt_ids(t.prompt, c.chat_template)
-          for t in tasks[:c.heads.num_sequences + c.heads.held_out]]
+          for t in tasks[:s.num_sequences + s.held_out]]
 
 
 def story_openings(policy, count, length, seed):
@@ -54,6 +59,24 @@ def warm_started_heads(policy, c):
   distill = DistillConfig(steps=h.steps, batch_size=h.batch_size)
   return ensure_heads(policy, HeadsConfig(h.num_heads), distill, head_training_prompts(policy, c),
                       plan, c.heads_dir, c.checkpoint)
+
+
+def warm_started_drafter(policy, c):
+  """The sequential drafter in c.drafter_dir, self-distilled (c.drafter) when missing."""
+  d = c.drafter
+  if not has_drafter(c.drafter_dir):
+    print(f'warm-starting a drafter into {c.drafter_dir}', file=sys.stderr)
+    plan = WarmStart(num_sequences=d.num_sequences, held_out=d.held_out,
+                     max_new_tokens=d.max_new_tokens, temperature=c.temperature, seed=d.seed)
+    warm_start_drafter(policy, drafter_config(d), DrafterTraining(
+        batch_size=d.batch_size, steps=d.steps, learning_rate=d.learning_rate),
+        head_training_prompts(policy, c, d), plan, c.drafter_dir, c.checkpoint)
+  return load_drafter(c.drafter_dir, policy.config)
+
+
+def drafter_config(section) -> DrafterConfig:
+  return DrafterConfig(depth=section.depth, hidden_multiplier=section.hidden_multiplier,
+                       draft_vocab_size=section.draft_vocab_size)
 
 
 def sweep_slice(prompts, samples, responses):

@@ -29,6 +29,8 @@ from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.drafter import DrafterConfig, init_drafter
+from specroll_jax.spec.drafter_proposer import DrafterProposer
 from specroll_jax.spec.engine import SpecEngine
 from specroll_jax.spec.gate import GateConfig
 from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
@@ -205,6 +207,32 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
                             TreeConfig(capacity_tokens=32, max_nodes=16),
                             _encode(stories_policy), 3, 40, 8, (2,), oracle=oracle, seed=11)
   _check(vanilla, spec, greedy=False)
+
+
+# Budgets the drafter's spine fills (16 nodes at 1 row) or overflows (4 at 8 rows and 16).
+@pytest.mark.parametrize('sampler,capacity', [(SamplerConfig(temperature=0.0), 16),
+                                              (SamplerConfig(temperature=1.0), 64)],
+                         ids=['greedy', 'T=1'])
+def test_sequential_drafter_identical(stories_policy, sampler, capacity):
+  """The drafter alone (static) or under group drafts (group_adaptive), over half the
+  vocabulary with a block whose output is noise: it proposes, it is rarely right."""
+  policy = stories_policy
+  drafter = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=256)
+  params = init_drafter(drafter, policy.config, np.arange(0, policy.config.vocab_size, 2), 1)
+  down = params.weights['down']['kernel']
+  params = params.replace(weights=dict(params.weights, down={
+      'kernel': jax.random.normal(jax.random.key(3), down.shape) * 0.3}))
+  proposer = DrafterProposer(policy.config, drafter, (4, 2, 2), sampler)
+  if ADAPTIVE:
+    proposer = GroupProposer(GROUP, base=proposer)
+  engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=capacity,
+                                                          max_nodes=16), sampler, (2,))
+  config = RolloutConfig(max_new_tokens=40, max_batch=8)
+  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), config).generate(
+      policy.params, _encode(policy), 3, 11)
+  spec = Driver(engine, config).generate(engine.params(policy.params, params), _encode(policy),
+                                         3, 11)
+  _check(vanilla, spec, greedy=sampler.greedy)
 
 
 @pytest.fixture(scope='module')

@@ -198,9 +198,9 @@ class WarmStartResult:
   rank_hit_rate_after: np.ndarray
 
 
-def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
-               plan: WarmStart, report_ranks: int = 8) -> WarmStartResult:
-  """Samples the policy's own generations and self-distils fresh heads on them."""
+def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[HeadPairs, HeadPairs]:
+  """(training, held-out) pairs over the policy's own generations from `prompts`: the
+  response spans, with the policy's top-`top_k` targets at every position."""
   total = plan.num_sequences + plan.held_out
   prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
   engine = VanillaEngine(policy.config, SamplerConfig(temperature=plan.temperature),
@@ -210,14 +210,21 @@ def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts
     responses = driver.generate(policy.params, prompt_rows, 1, plan.seed, progress=bar)
   sequences = [prompt_rows[r.prompt_index] + r.token_ids for r in responses]
   width = max(len(p) for p in prompt_rows) + plan.max_new_tokens
-  # Heads only ever propose from the last prompt position on, so pairs are the response
-  # spans (a chat model's prompt is over half of each row: half the training cost).
+  # Proposals start at the last prompt position, so pairs are the response spans (a chat
+  # model's prompt is over half of each row: half the training cost).
   starts = jnp.asarray([len(p) - 1 for p in prompt_rows], jnp.int32)
   spans = lambda batch, rows: response_spans(batch, starts[rows], plan.max_new_tokens + 1)
   train = spans(stack_batches(policy.config, policy.params, sequences[:plan.num_sequences],
-                              width, config.target_top_k), slice(0, plan.num_sequences))
+                              width, top_k), slice(0, plan.num_sequences))
   held = spans(stack_batches(policy.config, policy.params, sequences[plan.num_sequences:],
-                             width, config.target_top_k), slice(plan.num_sequences, total))
+                             width, top_k), slice(plan.num_sequences, total))
+  return train, held
+
+
+def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
+               plan: WarmStart, report_ranks: int = 8) -> WarmStartResult:
+  """Samples the policy's own generations and self-distils fresh heads on them."""
+  train, held = generated_pairs(policy, prompts, plan, config.target_top_k)
 
   def rates(params):
     hits, counts = rank_hits(heads_config, policy.config, params, policy.params, report_ranks,

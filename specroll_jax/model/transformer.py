@@ -141,6 +141,10 @@ class Transformer(nn.Module):
       logits = self.lm_head(hidden)
     return logits.astype(jnp.float32)
 
+  def embed(self, ids):
+    """float32 input embeddings of token ids [...] -> [..., D]."""
+    return self.embed_tokens(ids).astype(jnp.float32)
+
   def vocab_rows(self, ids):
     """float32 rows W[ids] [..., D] of the vocabulary projection (logit of v = W[v] . h)."""
     if self.config.tie_word_embeddings:

@@ -29,6 +29,9 @@ class RolloutConfig:
   """
   max_new_tokens: int
   max_batch: int = 64
+  # The smallest bucket compaction goes down to: every bucket is one more compiled loop, so
+  # a measurement of one bucket (experiments.bench_drafts) keeps its rows there to the end.
+  min_batch: int = 1
   prompt_bucket_min: int = 16
   prompt_buckets_per_octave: int = 1
 
@@ -60,7 +63,8 @@ class Driver:
   def __init__(self, engine, config: RolloutConfig):
     self.engine = engine
     self.config = config
-    self.buckets = batch_buckets(config.max_batch, row_shards(engine.mesh))
+    self.buckets = [b for b in batch_buckets(config.max_batch, row_shards(engine.mesh))
+                    if b >= min(config.min_batch, config.max_batch)]
     self._take_rows = jax.jit(partial(constrain_then_take, engine.mesh))
 
   def generate(self, params, prompts: list[list[int]], num_samples: int, seed: int,

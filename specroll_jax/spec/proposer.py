@@ -71,6 +71,11 @@ class Vocabulary:
     return Transformer(self.config).apply({'params': self.params}, ids,
                                           method=Transformer.vocab_rows)
 
+  def embed(self, ids) -> jax.Array:
+    """The policy's input embeddings of tokens (what a drafter reads its last token as)."""
+    return Transformer(self.config).apply({'params': self.params}, ids,
+                                          method=Transformer.embed)
+
 
 @struct.dataclass
 class StepContext:

@@ -1,0 +1,181 @@
+"""Draft quality at fixed node budgets: tau of each proposer, and what proposing costs.
+
+  python -m experiments.bench_drafts --config=configs/drafts_w3.py
+
+For each cell (nodes per row, responses in flight, sampler) every proposer's engine runs
+the same held-out prompts and seed as vanilla with every step a tree of that many nodes
+(no gate, no sizing), and its tau (tokens per row step) is recorded with whether its
+responses are vanilla's. Proposers: the warm-started heads, the sequential drafter, either
+under group drafts, and the oracle (vanilla's own future as a chain as deep as the heads'
+trees: the ceiling at that depth). Proposing cost, in plain steps at one response: a tree
+step's measured price with the proposer, less the oracle's at the same width (the oracle
+proposes nothing: its chain is an input). Writes results.json and README.md to out_dir.
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+from absl import app
+from ml_collections import config_flags
+
+from specroll_jax import load_policy
+from specroll_jax.rl.sections import build
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.spec.drafter import drafter_metadata
+from specroll_jax.spec.drafter_proposer import DrafterProposer
+from specroll_jax.spec.engine import SpecEngine
+from specroll_jax.spec.factory import head_proposer
+from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.spec.head_proposer import HeadDraftConfig
+from specroll_jax.spec.heads import heads_metadata
+from specroll_jax.spec.oracle_proposer import OracleProposer
+from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.spec.tree import TreeConfig
+from experiments.workloads import (benchmark_prompts, oracle_engine_params,
+                                   warm_started_drafter, warm_started_heads)
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafts_w3.py')
+GROUPED = {'heads_group': 'heads', 'drafter_group': 'drafter'}
+
+
+def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter) -> dict:
+  """name -> (proposer, its parameters); the oracle's come with each cell's reference."""
+  head = head_proposer(policy, heads_config, c.heads_dir, sampler,
+                       HeadDraftConfig(tuple(c.branching)))
+  built = {'heads': (head, heads),
+           'drafter': (DrafterProposer(policy.config, drafter_config,
+                                       tuple(c.drafter_branching), sampler), drafter)}
+  group = build(GroupDraftConfig, c.group, 'group')
+  for name, base in GROUPED.items():
+    built[name] = (GroupProposer(group, base=built[base][0]), built[base][1])
+  built['oracle'] = (OracleProposer(head.depth), None)
+  return {name: built[name] for name in c.proposers}
+
+
+def cell_workload(c, prompts, responses: int):
+  """(prompts, samples, rollout config): one question at a time, or 4 x 4 in one bucket."""
+  if responses == 1:
+    return prompts, 1, RolloutConfig(c.max_new_tokens, max_batch=1,
+                                     prompt_buckets_per_octave=c.prompt_buckets_per_octave)
+  samples = responses // len(prompts)
+  if samples * len(prompts) != responses:
+    raise ValueError(f'responses={responses} is not a multiple of num_prompts={len(prompts)}')
+  return prompts, samples, RolloutConfig(c.max_new_tokens, max_batch=responses,
+                                         min_batch=responses,
+                                         prompt_buckets_per_octave=c.prompt_buckets_per_octave)
+
+
+def fixed_budget_engine(policy, proposer, sampler, nodes: int, responses: int) -> SpecEngine:
+  return SpecEngine(policy.config, proposer,
+                    TreeConfig(max_nodes=nodes, capacity_tokens=nodes * responses), sampler,
+                    policy.eos_ids)
+
+
+def run_cell(policy, c, built, prompts, nodes, responses, sampler) -> dict:
+  prompts, samples, rollout = cell_workload(c, prompts, responses)
+  reference = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout).generate(
+      policy.params, prompts, samples, c.seed)
+  out = {}
+  for name, (proposer, proposer_params) in built.items():
+    engine = fixed_budget_engine(policy, proposer, sampler, nodes, responses)
+    params = (oracle_engine_params(engine, policy, reference, c.max_new_tokens)
+              if name == 'oracle' else engine.params(policy.params, proposer_params))
+    start = time.perf_counter()
+    spec = Driver(engine, rollout).generate(params, prompts, samples, c.seed)
+    tokens = sum(len(r.token_ids) for r in spec)
+    out[name] = dict(tau=tokens / sum(r.steps for r in spec), tokens=tokens,
+                     identical=sum(a.token_ids == b.token_ids for a, b in zip(spec, reference)),
+                     responses=len(spec), seconds=time.perf_counter() - start)
+    print(f'{nodes} nodes, {responses} responses, T={sampler.temperature}: {name} tau '
+          f'{out[name]["tau"]:.2f}', file=sys.stderr)
+    jax.clear_caches()  # one engine per cell and proposer: release each compiled loop
+  return out
+
+
+def proposing_costs(policy, c, built, prompts, sampler) -> dict:
+  """Tree-step price (plain steps) at one response and c.cost_nodes nodes per proposer."""
+  prompts, samples, rollout = cell_workload(c, prompts[:1], 1)
+  reference = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout).generate(
+      policy.params, prompts, samples, c.seed)
+  prices = {}
+  for name, (proposer, proposer_params) in built.items():
+    engine = fixed_budget_engine(policy, proposer, sampler, c.cost_nodes, 1)
+    params = (oracle_engine_params(engine, policy, reference, c.max_new_tokens)
+              if name == 'oracle' else engine.params(policy.params, proposer_params))
+    priced = with_measured_step_costs(engine, rollout, params, prompts, samples)
+    prices[name] = priced.tree_step_cost(1)
+    jax.clear_caches()
+  return prices
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  policy = load_policy(c.checkpoint, c.dtype)
+  heads_config, heads = warm_started_heads(policy, c)
+  drafter_config, drafter = warm_started_drafter(policy, c)
+  prompts = benchmark_prompts(policy, c)
+  samplers = {'t1': SamplerConfig(temperature=c.temperature),
+              'greedy': SamplerConfig(temperature=0.0)}
+  cells = {}
+  for key, sampler in samplers.items():
+    built = proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter)
+    for nodes in c.budgets:
+      for responses in c.responses:
+        if key == 'greedy' and (nodes, responses) not in {tuple(x) for x in c.greedy_cells}:
+          continue
+        cells[f'{key}/{nodes}/{responses}'] = run_cell(policy, c, built, prompts, nodes,
+                                                       responses, sampler)
+  built = proposers(policy, c, samplers['t1'], heads_config, heads, drafter_config, drafter)
+  prices = proposing_costs(policy, c, built, prompts, samplers['t1'])
+  head_rates = heads_metadata(c.heads_dir).rank_hit_rate
+  drafter_record = drafter_metadata(c.drafter_dir)
+  tau = lambda name, nodes, responses: cells[f't1/{nodes}/{responses}'][name]['tau']
+  result = {
+      'command': ' '.join(['python -m experiments.bench_drafts'] + sys.argv[1:]),
+      'backend': jax.default_backend(),
+      'heads_tau_16': tau('heads', 16, 1), 'drafter_tau_16': tau('drafter', 16, 1),
+      'heads_tau_4_b16': tau('heads', 4, 16), 'drafter_tau_4_b16': tau('drafter', 4, 16),
+      # Held-out agreement with the policy's T = 1 draw: head 1's top-1 and the drafter's
+      # depth-1 top-1 (teacher-forced, on its training run's held-out generations).
+      'head1_top1': float(head_rates[0][0]),
+      'drafter_depth1_top1': drafter_record.top1_by_depth[0],
+      'drafter_top1_by_depth': list(drafter_record.top1_by_depth),
+      'drafter_top1_mass_by_depth': list(drafter_record.mass_by_depth),
+      'warm_start_s': drafter_record.seconds,
+      'drafter_cost': prices['drafter'] - prices['oracle'],
+      'heads_cost': prices['heads'] - prices['oracle'],
+      'tree_step_prices': prices,
+      'identical_fraction': (sum(r['identical'] for cell in cells.values() for r in cell.values())
+                             / sum(r['responses'] for cell in cells.values()
+                                   for r in cell.values())),
+      'cells': cells,
+      'config': c.to_dict(),
+  }
+  out = Path(c.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
+  names = list(c.proposers)
+  lines = ['| sampler | nodes/row | responses | ' + ' | '.join(names) + ' |',
+           '|---|---|---|' + '---|' * len(names)]
+  for key, cell in cells.items():
+    sampler, nodes, responses = key.split('/')
+    lines.append(f'| {sampler} | {nodes} | {responses} | '
+                 + ' | '.join(f'{cell[n]["tau"]:.2f}' for n in names) + ' |')
+  (out / 'README.md').write_text(
+      f'# Draft quality on W3 at fixed budgets (tau)\n\n`{result["command"]}`\n\n'
+      + '\n'.join(lines) + '\n\n'
+      f'Proposing cost at one response, {c.cost_nodes} nodes (plain steps): drafter '
+      f'{result["drafter_cost"]:.2f}, heads {result["heads_cost"]:.2f}. Held-out top-1: '
+      f'head 1 {result["head1_top1"]:.3f}, drafter depth 1 {result["drafter_depth1_top1"]:.3f}'
+      f'. Drafter warm start {result["warm_start_s"] / 60:.1f} min. Identical responses: '
+      f'{result["identical_fraction"]:.3f}.\n')
+  print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,173 @@
+"""Self-distillation of the sequential drafter on the policy's own generations.
+
+The pairs are the heads' (spec/pairs.py): one policy forward over (prompt + response)
+gives every position's hidden state h_t and the policy's top-K law of x_{t+1}. The drafter
+is unrolled from h_t over the realised tokens, as it runs in the tree along its best
+guesses: z_d = f(z_{d-1}, e(x_{t+d})), and depth d is trained towards the policy's law at
+t + d (that of x_{t+d+1}) by soft cross-entropy over the targets inside the draft
+vocabulary. The walk accepts a draft at T = 1 with the policy's probability of it, so the
+soft target is what the tree needs; a sampled token alone would train towards one draw.
+Only the block's weights receive gradients.
+"""
+import dataclasses
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from specroll_jax.adapt.distill import WarmStart, generated_pairs
+from specroll_jax.model.config import ModelConfig
+from specroll_jax.model.transformer import Transformer
+from specroll_jax.spec.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
+                                       drafter_step, frequency_vocabulary, init_drafter,
+                                       save_drafter)
+from specroll_jax.spec.pairs import HeadPairs
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTraining:
+  target_top_k: int = 32
+  depth_decay: float = 0.8      # weight of depth d's loss: decay^(d-1)
+  learning_rate: float = 2e-3
+  batch_size: int = 16          # sequences (response spans) per step
+  steps: int = 400
+
+
+def _shifted(x, shift: int):
+  """x[:, t + shift] at t (zeros past the end)."""
+  tail = jnp.zeros((x.shape[0], shift) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, shift:], tail], axis=1)
+
+
+def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
+                     policy_params, batch: HeadPairs):
+  """Draft-vocabulary log-probs of each depth, teacher-forced: [depth] of [B, T, V_d]."""
+  model = Transformer(model_config)
+  draft_rows = model.apply({'params': policy_params}, params.vocab_ids, method=model.vocab_rows)
+  embedded = model.apply({'params': policy_params}, batch.tokens, method=model.embed)
+  z = batch.hidden.astype(jnp.float32)
+  out = []
+  for d in range(1, config.depth + 1):
+    z = drafter_step(config, model_config, params.weights, z, _shifted(embedded, d))
+    out.append(jax.nn.log_softmax(z @ draft_rows.T, axis=-1))
+  return out
+
+
+def _in_draft_vocab(vocab_ids, ids):
+  """(index of each id in the sorted draft vocabulary, whether it is there)."""
+  index = jnp.clip(jnp.searchsorted(vocab_ids, ids), 0, vocab_ids.shape[0] - 1)
+  return index, vocab_ids[index] == ids
+
+
+def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
+                 policy_params, batch: HeadPairs):
+  """Per depth (soft cross-entropy sum, positions): depth d at t is scored where x_{t+d} is a
+  real token (the policy's law at t + d exists)."""
+  losses, counts = [], []
+  for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
+                           start=1):
+    index, inside = _in_draft_vocab(params.vocab_ids, _shifted(batch.target_ids, d))
+    p = jnp.exp(_shifted(batch.target_logp, d))
+    ce = -jnp.sum(jnp.where(inside, p * jnp.take_along_axis(logq, index, axis=-1), 0.0), -1)
+    mask = batch.valid & _shifted(batch.valid, d)
+    losses.append(jnp.sum(jnp.where(mask, ce, 0.0)))
+    counts.append(jnp.sum(mask))
+  return jnp.stack(losses), jnp.stack(counts)
+
+
+def drafter_loss(config: DrafterConfig, model_config, training: DrafterTraining, weights,
+                 vocab_ids, policy_params, batch: HeadPairs):
+  params = DrafterParams(weights=weights, vocab_ids=vocab_ids)
+  loss, count = depth_losses(config, model_config, params, policy_params, batch)
+  decay = training.depth_decay ** jnp.arange(config.depth)
+  return jnp.sum(decay * loss / jnp.maximum(count, 1)) / jnp.sum(decay)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def train_step(config, model_config, training: DrafterTraining, optimizer, weights, opt_state,
+               vocab_ids, policy_params, batch: HeadPairs):
+  loss, grads = jax.value_and_grad(
+      lambda w: drafter_loss(config, model_config, training, w, vocab_ids, policy_params,
+                             batch))(weights)
+  updates, opt_state = optimizer.update(grads, opt_state, weights)
+  return optax.apply_updates(weights, updates), opt_state, loss
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def agreement(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
+              batch: HeadPairs):
+  """Per depth, teacher-forced: (top-1 draft == the drawn x_{t+d+1} count, the policy's
+  probability of the top-1 draft summed, positions). The second is the chance that the walk
+  at T = 1 accepts the draft, at the depth's true context."""
+  hits, mass, counts = [], [], []
+  for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
+                           start=1):
+    best = params.vocab_ids[jnp.argmax(logq, axis=-1)]  # [B, T]
+    targets, target_p = _shifted(batch.target_ids, d), jnp.exp(_shifted(batch.target_logp, d))
+    p_best = jnp.sum(jnp.where(targets == best[..., None], target_p, 0.0), axis=-1)
+    mask = batch.valid & _shifted(batch.valid, d + 1)
+    hits.append(jnp.sum(mask & (best == _shifted(batch.tokens, d + 1))))
+    mass.append(jnp.sum(jnp.where(mask, p_best, 0.0)))
+    counts.append(jnp.sum(mask))
+  return jnp.stack(hits), jnp.stack(mass), jnp.stack(counts)
+
+
+def agreement_rates(config, model_config, params, policy_params, held: HeadPairs):
+  """(top-1 agreement [depth], top-1 policy mass [depth]) on held-out pairs."""
+  hits, mass, counts = (np.asarray(x) for x in agreement(config, model_config, params,
+                                                         policy_params, held))
+  return hits / np.maximum(counts, 1), mass / np.maximum(counts, 1)
+
+
+def vocabulary_coverage(vocab_ids, held: HeadPairs) -> float:
+  """The share of held-out drawn tokens that the draft vocabulary holds: a ceiling on the
+  drafter's agreement (the rest it can never draft)."""
+  tokens, valid = np.asarray(held.tokens), np.asarray(held.valid)
+  return float(np.mean(np.isin(tokens[:, 1:][valid[:, 1:]], np.asarray(vocab_ids))))
+
+
+def train_drafter(policy, config: DrafterConfig, training: DrafterTraining, train: HeadPairs,
+                  seed: int = 0, init_params: DrafterParams | None = None):
+  """Optax training of the block alone over `train`; the draft vocabulary is the most
+  frequent next tokens of `train` unless `init_params` brings one. Returns (params, loss)."""
+  if init_params is None:
+    vocab = frequency_vocabulary(train.tokens, train.valid, config.vocab_size(policy.config),
+                                 policy.config.vocab_size)
+    init_params = init_drafter(config, policy.config, vocab, seed)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(optax.cosine_decay_schedule(training.learning_rate,
+                                                                  training.steps, 0.1)))
+  weights, vocab_ids = init_params.weights, init_params.vocab_ids
+  opt_state = optimizer.init(weights)
+  rng = np.random.default_rng(seed)
+  rows = train.tokens.shape[0]
+  loss = float('nan')
+  with tqdm(range(training.steps), desc='training drafter', file=sys.stderr) as bar:
+    for _ in bar:
+      index = rng.choice(rows, min(training.batch_size, rows), replace=False)
+      batch = jax.tree.map(lambda x: x[index], train)
+      weights, opt_state, loss = train_step(config, policy.config, training, optimizer, weights,
+                                            opt_state, vocab_ids, policy.params, batch)
+      bar.set_postfix(loss=f'{float(loss):.3f}')
+  return DrafterParams(weights=weights, vocab_ids=vocab_ids), float(loss)
+
+
+def warm_start_drafter(policy, config: DrafterConfig, training: DrafterTraining, prompts,
+                       plan: WarmStart, directory, source: str):
+  """Generates, trains and saves a drafter; returns (params, metadata)."""
+  start = time.perf_counter()
+  train, held = generated_pairs(policy, prompts, plan, training.target_top_k)
+  params, loss = train_drafter(policy, config, training, train, plan.seed)
+  top1, mass = agreement_rates(config, policy.config, params, policy.params, held)
+  metadata = DrafterMetadata(
+      source=source, num_sequences=plan.num_sequences, positions=int(np.sum(train.valid)),
+      steps=training.steps, final_loss=loss, seconds=time.perf_counter() - start,
+      top1_by_depth=top1.tolist(), mass_by_depth=mass.tolist(),
+      vocab_coverage=vocabulary_coverage(params.vocab_ids, held))
+  save_drafter(directory, config, params, metadata)
+  return params, metadata

@@ -1,0 +1,202 @@
+"""A sequential drafter: one small block that drafts the next token from the last one.
+
+Horizon heads (spec/heads.py) read only h_t, so head 1 guesses x_{t+2} without knowing the
+root x_{t+1} the verifier has just drawn; at T = 1 the root is a draw from a broad
+distribution and that guess is mostly wrong (W3 heads: held-out top-1 0.21 for head 1).
+The drafter conditions every depth on the token drafted before it (EAGLE and Hydra do the
+same with larger blocks):
+
+  z_0 = h_t,  z_d = f(z_{d-1}, e(y_d)),  q_d = S(W_v z_d)
+
+where y_1 is the root, y_{d+1} the drafter's own best guess at depth d, e the policy's input
+embedding and W_v the policy's vocabulary projection restricted to a draft vocabulary: the
+`draft_vocab_size` tokens most frequent as next tokens in the drafter's training text (a
+frequency-ranked vocabulary, as FR-Spec does). Tokens outside it are never drafted; each
+depth's projection then reads V_d rows of W instead of V (8,192 of SmolLM2's 49,152).
+f is a fusion of the two normalised inputs followed by one residual MLP block; its
+parameters are the only ones trained, the embedding and projection stay the policy's.
+"""
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct, traverse_util
+from safetensors import SafetensorError
+from safetensors.flax import load_file, save_file
+
+from specroll_jax.model.checkpoint import unreadable
+from specroll_jax.model.config import ModelConfig
+
+DRAFTER_FILE = 'drafter.safetensors'
+DRAFTER_CONFIG_FILE = 'drafter_config.json'
+VOCAB_TENSOR = 'draft_vocab'
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  depth: int = 4                 # deepest level it drafts
+  hidden_multiplier: float = 2.0  # inner width of the residual block, in units of D
+  draft_vocab_size: int = 8192   # tokens it may draft (0: the whole vocabulary)
+
+  def __post_init__(self):
+    if self.depth < 1 or self.hidden_multiplier <= 0 or self.draft_vocab_size < 0:
+      raise ValueError(f'DrafterConfig: depth >= 1, hidden_multiplier > 0 and '
+                       f'draft_vocab_size >= 0 required, got {self}')
+
+  def vocab_size(self, model_config: ModelConfig) -> int:
+    if self.draft_vocab_size == 0:
+      return model_config.vocab_size
+    return min(self.draft_vocab_size, model_config.vocab_size)
+
+
+@struct.dataclass
+class DrafterParams:
+  weights: dict           # the block's parameters: the only trained leaves
+  vocab_ids: jax.Array    # int32 [V_d] the draft vocabulary's policy token ids
+
+
+def _rms(x, eps):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class DrafterBlock(nn.Module):
+  """(z [..., D], e [..., D]) -> the next depth's hidden state z' [..., D]."""
+  config: DrafterConfig
+  model_config: ModelConfig
+
+  @nn.compact
+  def __call__(self, z, embedded):
+    m = self.model_config
+    dim = m.hidden_size
+    inner = max(1, int(round(self.config.hidden_multiplier * dim)))
+    z, embedded = z.astype(jnp.float32), embedded.astype(jnp.float32)
+    scale = lambda name: self.param(name, nn.initializers.ones, (dim,), jnp.float32)
+    inputs = jnp.concatenate([_rms(z, m.rms_norm_eps) * scale('z_norm'),
+                              _rms(embedded, m.rms_norm_eps) * scale('token_norm')], axis=-1)
+    fused = nn.Dense(dim, use_bias=False, name='fuse')(inputs)
+    update = nn.Dense(dim, use_bias=False, kernel_init=nn.initializers.zeros, name='down')(
+        nn.silu(nn.Dense(inner, use_bias=False, name='up')(
+            _rms(fused, m.rms_norm_eps) * scale('block_norm'))))
+    return fused + update
+
+
+def init_drafter(config: DrafterConfig, model_config: ModelConfig, vocab_ids,
+                 seed: int = 0) -> DrafterParams:
+  """Fresh block weights over the draft vocabulary `vocab_ids` (int [V_d])."""
+  dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
+  weights = DrafterBlock(config, model_config).init(jax.random.key(seed), dummy, dummy)
+  return DrafterParams(weights=weights['params'], vocab_ids=jnp.asarray(vocab_ids, jnp.int32))
+
+
+def drafter_step(config: DrafterConfig, model_config: ModelConfig, weights, z, embedded):
+  return DrafterBlock(config, model_config).apply({'params': weights}, z, embedded)
+
+
+def frequency_vocabulary(tokens, valid, size: int, vocab_size: int) -> np.ndarray:
+  """The `size` ids most frequent among the valid `tokens` (ties: lower id first), ascending;
+  ids never seen fill the rest by id, so the vocabulary always has `size` entries."""
+  counts = np.bincount(np.asarray(tokens)[np.asarray(valid)].ravel(), minlength=vocab_size)
+  ranked = np.lexsort((np.arange(vocab_size), -counts[:vocab_size]))
+  return np.sort(ranked[:size]).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterMetadata:
+  """How a drafter was trained, stored beside it in drafter_config.json."""
+  source: str            # the policy checkpoint it was trained on
+  num_sequences: int     # training sequences (the policy's own generations)
+  positions: int         # training positions
+  steps: int             # optimizer steps
+  final_loss: float
+  seconds: float         # generation, targets and training, wall clock
+  top1_by_depth: tuple   # [depth] held-out agreement of the top-1 draft with the drawn token
+  mass_by_depth: tuple   # [depth] held-out policy mass on the top-1 draft (teacher-forced)
+  vocab_coverage: float  # held-out drawn tokens inside the draft vocabulary
+
+  def __post_init__(self):
+    for name in ('top1_by_depth', 'mass_by_depth'):
+      object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+
+
+def save_drafter(directory, config: DrafterConfig, params: DrafterParams,
+                 metadata: DrafterMetadata | None = None) -> None:
+  """Writes drafter.safetensors (block weights and draft vocabulary) + drafter_config.json,
+  each by rename, the weights last: present weights mean a complete save."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  record = {'drafter': dataclasses.asdict(config),
+            'metadata': None if metadata is None else dataclasses.asdict(metadata)}
+  config_tmp = directory / (DRAFTER_CONFIG_FILE + '.tmp')
+  config_tmp.write_text(json.dumps(record, indent=2) + '\n')
+  config_tmp.replace(directory / DRAFTER_CONFIG_FILE)
+  tensors = {'/'.join(k): v for k, v in traverse_util.flatten_dict(params.weights).items()}
+  tensors[VOCAB_TENSOR] = params.vocab_ids
+  weights_tmp = directory / (DRAFTER_FILE + '.tmp')
+  save_file(tensors, str(weights_tmp))
+  weights_tmp.replace(directory / DRAFTER_FILE)
+
+
+def has_drafter(directory) -> bool:
+  return (Path(directory) / DRAFTER_FILE).is_file()
+
+
+def drafter_metadata(directory) -> DrafterMetadata | None:
+  path = Path(directory) / DRAFTER_CONFIG_FILE
+  raw = _read_record(path)['metadata']
+  try:
+    return None if raw is None else DrafterMetadata(**raw)
+  except TypeError as e:
+    raise ValueError(f'{path}: metadata is not a drafter record ({e})') from None
+
+
+def _read_record(path: Path) -> dict:
+  if not path.is_file():
+    raise FileNotFoundError(f'{path}: not found (train a drafter with experiments.train_heads '
+                            '--proposer=drafter)')
+  try:
+    record = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: not a drafter config ({e})') from None
+  if not isinstance(record, dict) or not {'drafter', 'metadata'} <= set(record):
+    raise ValueError(f'{path}: not a drafter config (needs "drafter" and "metadata")')
+  return record
+
+
+def load_drafter(directory, model_config: ModelConfig) -> tuple[DrafterConfig, DrafterParams]:
+  """Reads a drafter saved by save_drafter, checking every tensor against this policy."""
+  directory = Path(directory)
+  config_path, weights_path = directory / DRAFTER_CONFIG_FILE, directory / DRAFTER_FILE
+  try:
+    config = DrafterConfig(**_read_record(config_path)['drafter'])
+  except TypeError as e:
+    raise ValueError(f'{config_path}: not a drafter config ({e})') from None
+  if not weights_path.is_file():
+    raise FileNotFoundError(f'{weights_path}: not found (train a drafter with '
+                            'experiments.train_heads --proposer=drafter)')
+  try:
+    tensors = load_file(str(weights_path))
+  except SafetensorError as e:
+    raise unreadable(weights_path, e) from None
+  vocab_ids = tensors.pop(VOCAB_TENSOR, None)
+  want_vocab = config.vocab_size(model_config)
+  if vocab_ids is None or vocab_ids.shape != (want_vocab,):
+    shape = None if vocab_ids is None else tuple(vocab_ids.shape)
+    raise ValueError(f'{weights_path}: tensor {VOCAB_TENSOR!r} has shape {shape}, the config '
+                     f'needs ({want_vocab},)')
+  if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= model_config.vocab_size:
+    raise ValueError(f'{weights_path}: tensor {VOCAB_TENSOR!r} holds ids outside this policy\'s '
+                     f'vocabulary of {model_config.vocab_size}')
+  weights = traverse_util.unflatten_dict({tuple(k.split('/')): v for k, v in tensors.items()})
+  expected = jax.eval_shape(lambda: init_drafter(config, model_config, vocab_ids).weights)
+  flat = traverse_util.flatten_dict(weights)
+  for name, want in traverse_util.flatten_dict(expected).items():
+    got = flat.get(name)
+    if got is None or got.shape != want.shape:
+      shape = None if got is None else tuple(got.shape)
+      raise ValueError(f'{weights_path}: tensor {"/".join(name)!r} has shape {shape}, this '
+                       f'policy (hidden_size={model_config.hidden_size}) needs {want.shape}')
+  return config, DrafterParams(weights=weights, vocab_ids=jnp.asarray(vocab_ids, jnp.int32))

@@ -1,0 +1,111 @@
+"""The sequential drafter: its static spine, its training, and its files."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax.adapt import drafter_training
+from specroll_jax.adapt.distill import WarmStart, generated_pairs
+from specroll_jax.adapt.drafter_training import DrafterTraining, train_drafter
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.rollout.sequences import Sequences
+from specroll_jax.spec.drafter import (DRAFTER_CONFIG_FILE, DRAFTER_FILE, DrafterConfig,
+                                       drafter_step, frequency_vocabulary, init_drafter,
+                                       load_drafter, save_drafter)
+from specroll_jax.spec.drafter_proposer import DrafterProposer, spine_parents
+from specroll_jax.spec.proposer import StepContext, Vocabulary
+
+CONFIG = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=128)
+
+
+def test_frequency_vocabulary_keeps_the_most_frequent_ids_sorted():
+  tokens = np.array([[5, 5, 5, 2, 2, 9, 7, 7]])
+  valid = np.array([[True] * 7 + [False]])  # the second 7 is padding: 7 ties 9 once
+  assert frequency_vocabulary(tokens, valid, 3, 10).tolist() == [2, 5, 7]
+  assert frequency_vocabulary(tokens, valid, 5, 10).tolist() == [0, 2, 5, 7, 9]
+
+
+def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
+  policy = stories_policy
+  assert spine_parents((3, 2, 1)) == (-1, -1, -1, 0, 0, 3)
+  vocab_ids = np.arange(0, policy.config.vocab_size, 4)
+  params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
+  params = params.replace(weights=jax.tree.map(
+      lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params.weights))
+  proposer = DrafterProposer(policy.config, CONFIG, (3, 2, 1), SamplerConfig(temperature=1.0))
+  assert proposer.num_candidates == 6 and proposer.depth == 3
+  batch = 2
+  hidden = jax.random.normal(jax.random.key(2), (batch, policy.config.hidden_size))
+  seqs = Sequences.empty(jnp.arange(batch), jnp.ones(batch, jnp.int32),
+                         jnp.full(batch, 8, jnp.int32), 8, jnp.zeros(batch, bool))
+  vocab = Vocabulary(policy.params, policy.config)
+  context = StepContext(hidden, jnp.array([5, 9]), seqs, vocab)
+  proposal = proposer.propose(params, proposer.init(None, seqs), context, levels=2)
+  candidates = proposal.candidates
+  assert candidates.tokens.shape == (batch, 6) and candidates.parent == (-1, -1, -1, 0, 0, 3)
+  assert np.all(np.isin(np.asarray(candidates.tokens[:, :5]), vocab_ids))
+  # Below `levels` nothing is offered.
+  assert np.all(np.asarray(candidates.scores[:, 5]) == 0.0)
+  # Depth 2 drafts from the state after depth 1's best token.
+  z1 = drafter_step(CONFIG, policy.config, params.weights, hidden, vocab.embed(context.root))
+  z2 = drafter_step(CONFIG, policy.config, params.weights, z1,
+                    vocab.embed(candidates.tokens[:, 0]))
+  best2 = vocab_ids[np.argmax(np.asarray(z2 @ vocab.rows(jnp.asarray(vocab_ids)).T), axis=-1)]
+  np.testing.assert_array_equal(np.asarray(candidates.tokens[:, 3]), best2)
+  with pytest.raises(ValueError, match='exceeds the drafter'):
+    DrafterProposer(policy.config, CONFIG, (2, 2, 2, 2), SamplerConfig())
+
+
+def test_soft_target_training_lowers_held_out_loss(stories_policy):
+  policy = stories_policy
+  plan = WarmStart(num_sequences=24, held_out=8, max_new_tokens=48, seed=0)
+  train, held = generated_pairs(policy, [[policy.config.bos_token_id]], plan, 16)
+  training = DrafterTraining(target_top_k=16, steps=60, batch_size=8, learning_rate=3e-3)
+
+  def held_out(params):
+    loss, count = drafter_training.depth_losses(CONFIG, policy.config, params, policy.params,
+                                                held)
+    mass = drafter_training.agreement_rates(CONFIG, policy.config, params, policy.params,
+                                            held)[1]
+    return np.asarray(loss) / np.asarray(count), mass
+
+  vocab = frequency_vocabulary(train.tokens, train.valid, CONFIG.vocab_size(policy.config),
+                               policy.config.vocab_size)
+  fresh = init_drafter(CONFIG, policy.config, vocab, seed=0)
+  trained, _ = train_drafter(policy, CONFIG, training, train, seed=0, init_params=fresh)
+  (loss_before, mass_before), (loss_after, mass_after) = held_out(fresh), held_out(trained)
+  assert np.all(loss_after < loss_before), (loss_before, loss_after)
+  assert mass_after[0] > mass_before[0] + 0.05, (mass_before, mass_after)
+
+
+def test_saved_drafter_loads_and_bad_files_are_named(stories_policy, tmp_path):
+  policy = stories_policy
+  params = init_drafter(CONFIG, policy.config, np.arange(128), seed=0)
+  save_drafter(tmp_path / 'd', CONFIG, params)
+  config, loaded = load_drafter(tmp_path / 'd', policy.config)
+  assert config == CONFIG
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A heads directory is not a drafter.
+  (tmp_path / 'heads').mkdir()
+  with pytest.raises(FileNotFoundError, match=DRAFTER_CONFIG_FILE):
+    load_drafter(tmp_path / 'heads', policy.config)
+  # A draft vocabulary of another size than the config's.
+  record = json.loads((tmp_path / 'd' / DRAFTER_CONFIG_FILE).read_text())
+  record['drafter']['draft_vocab_size'] = 64
+  (tmp_path / 'd' / DRAFTER_CONFIG_FILE).write_text(json.dumps(record))
+  with pytest.raises(ValueError, match="'draft_vocab' has shape \\(128,\\)"):
+    load_drafter(tmp_path / 'd', policy.config)
+  # Another policy's hidden size.
+  wide = init_drafter(CONFIG, dataclasses.replace(policy.config,
+                                               hidden_size=2 * policy.config.hidden_size),
+                      np.arange(128), seed=0)
+  save_drafter(tmp_path / 'w', CONFIG, wide)
+  with pytest.raises(ValueError, match=r'has shape .* this policy \(hidden_size='):
+    load_drafter(tmp_path / 'w', policy.config)
+  (tmp_path / 'w' / DRAFTER_FILE).write_bytes(b'truncated')
+  with pytest.raises(ValueError, match='not a readable safetensors'):
+    load_drafter(tmp_path / 'w', policy.config)
