@@ -3,10 +3,11 @@
   python -m experiments.bench_rollout --config=configs/bench_w4.py
 
 One GRPO-shaped batch of 32 responses with EOS on and a long cap (512 new tokens): as
-responses finish the driver compacts to buckets of 16, 8, 4, 2 and 1 rows, and the last
-few rows of the longest answers take a large share of the rollout's wall time. The
-README's bucket table reports, per bucket, vanilla's share of its decode time and each
-speculative engine's width, price, tau and speedup there. The heads are W3's (the same
+responses finish the driver compacts into smaller buckets, and the README's bucket table
+reports, per bucket, vanilla's share of its decode time and each speculative engine's
+width, price, tau and speedup there. On this model the batch stops at 16 rows: about a
+third of its T = 1 answers never stop and end together at the cap (WORKSPACE_NOTES,
+Known gaps), so there is no tail of 1-4 rows. The heads are W3's (the same
 warm start and heads_dir).
 """
 from configs import bench_w3

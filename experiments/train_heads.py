@@ -14,8 +14,8 @@ turns; about 25 minutes on a 2-core CPU, what configs/drafts_w3.py runs when its
 missing):
 
   python -m experiments.train_heads --proposer=drafter \
-    --checkpoint=workdir/models/smollm2-135m-instruct --gsm8k_train_questions=512 \
-    --chat_template --held_out=32 --max_new_tokens=256 --steps=500 --batch_size=16 \
+    --checkpoint=workdir/models/smollm2-135m-instruct --gsm8k_train --num_sequences=768 \
+    --chat_template --held_out=32 --max_new_tokens=256 --steps=400 --batch_size=16 \
     --learning_rate=2e-3 --out=workdir/drafter_smollm2_gsm8k
 """
 from pathlib import Path
