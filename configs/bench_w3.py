@@ -25,6 +25,16 @@ def get_config():
   c.heads = ml_collections.ConfigDict(dict(
       prompts='gsm8k', num_heads=4, num_sequences=192, held_out=32, max_new_tokens=128,
       steps=150, batch_size=4, seed=0))
+  # SpecRoll's proposer: 'heads', or 'drafter', the sequential drafter in drafter_dir
+  # (self-distilled there when missing, as c.drafter says: about 30 minutes on 2 cores).
+  c.drafts = 'heads'
+  c.drafter_dir = 'workdir/drafter_smollm2_gsm8k'
+  c.drafter = ml_collections.ConfigDict(dict(
+      prompts='gsm8k', depth=4, hidden_multiplier=2.0, draft_vocab_size=8192,
+      num_sequences=768, held_out=32, max_new_tokens=256, steps=400, batch_size=16,
+      learning_rate=2e-3, seed=0))
+  # Spine candidates per depth: 18, so a 16-node tree chooses among them by path score.
+  c.drafter_branching = (8, 4, 4, 2)
   # A fixed prompt set compiles once per width, so finer widths cost no compilations.
   c.prompt_buckets_per_octave = 4
   c.max_new_tokens = 256

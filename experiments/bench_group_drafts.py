@@ -22,7 +22,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from experiments.side_by_side import compare
-from experiments.workloads import benchmark_prompts, warm_started_heads
+from experiments.workloads import benchmark_prompts, warm_started_drafts
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -46,7 +46,7 @@ def run_workload(c, names, modes):
   if not c.checkpoint:
     c.checkpoint = str(ensure_default_policy(c.policy_cache_dir))
   policy = load_policy(c.checkpoint, c.dtype)
-  heads_config, heads = warm_started_heads(policy, c)
+  drafts = warm_started_drafts(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes, capacity_tokens=c.capacity_tokens,
                      per_batch_capacity=c.capacity_per_batch)
   prompts = benchmark_prompts(policy, c)
@@ -56,7 +56,7 @@ def run_workload(c, names, modes):
   for mode in modes:
     c.speculation_gate = mode == 'gated'
     jax.clear_caches()  # each compare compiles its own engines (memory maps, see bench_rollout)
-    result = compare(policy, heads_config, heads, prompts, c.samples_per_prompt, c, tree,
+    result = compare(policy, drafts, prompts, c.samples_per_prompt, c, tree,
                      sampler, prices, names)
     for name in SPECULATIVE:
       if name in result:

@@ -1,14 +1,17 @@
-"""Rollout benchmark: vanilla vs SpecRoll (static heads) vs oracle, wall-time ratios.
+"""Rollout benchmark: vanilla vs SpecRoll vs oracle, wall-time ratios.
 
   python -m experiments.bench_rollout --config=configs/bench_w2.py   (stories260K)
   python -m experiments.bench_rollout --config=configs/bench_w3.py   (SmolLM2 on GSM8K)
   python -m experiments.bench_rollout --config=configs/bench_w4.py   (SmolLM2, the GRPO tail)
 
+SpecRoll drafts with the static warm-started heads, or with `--config.drafts=drafter` (W3,
+W4) the sequential drafter (spec/drafter.py).
+
 All engines run in this process on the same prompts, seed and sampler; each is compiled
 once, then timed `repeats` times in alternation, and ratios of medians are reported, for
 the whole rollout and per batch bucket (as rows finish, the driver compacts to smaller
 buckets: the tail). The oracle's trees are the vanilla rollout's true future as a chain
-as deep as the heads' trees, alone, priced and sized like SpecRoll's: the ceiling of this
+as deep as SpecRoll's trees, alone, priced and sized like SpecRoll's: the ceiling of this
 tree design on this hardware. A sweep over the number of responses gives tau and speedup
 against the active batch size. With `hf_generate`, transformers' `generate` (torch) samples
 the same prompts with the same sampler; its samples differ (another RNG), so it is compared
@@ -29,7 +32,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from experiments import roofline
 from experiments.side_by_side import compare
-from experiments.workloads import benchmark_prompts, sweep_slice, warm_started_heads
+from experiments.workloads import benchmark_prompts, sweep_slice, warm_started_drafts
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -42,7 +45,7 @@ def main(argv):
   del argv
   c = _CONFIG.value
   policy = load_policy(c.checkpoint, c.dtype)
-  heads_config, heads = warm_started_heads(policy, c)
+  drafts = warm_started_drafts(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes,
                      capacity_tokens=c.capacity_tokens,
                      per_batch_capacity=c.capacity_per_batch)
@@ -51,7 +54,7 @@ def main(argv):
   prompts = benchmark_prompts(policy, c)
   samples = c.samples_per_prompt
   prices = {}  # priced on the main run, the largest batch, for every smaller bucket
-  main_run = compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices)
+  main_run = compare(policy, drafts, prompts, samples, c, tree, sampler, prices)
   rows = len(prompts) * samples
   sweep = {}
   for b in c.batch_sweep:
@@ -59,7 +62,7 @@ def main(argv):
       # Each compare compiles its own engines; without this the W3 sweep with the gate's
       # pricing ran out of memory maps (vm.max_map_count 65,530) in its last compile.
       jax.clear_caches()
-      sweep[b] = compare(policy, heads_config, heads, *sweep_slice(prompts, samples, b), c,
+      sweep[b] = compare(policy, drafts, *sweep_slice(prompts, samples, b), c,
                          tree, sampler, prices)
   sweep[rows] = main_run
   num_params = sum(x.size for x in jax.tree.leaves(policy.params))

@@ -32,7 +32,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.spec.factory import tree_config
 from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
-                                   warm_started_heads, workload_engines)
+                                   warm_started_drafts, workload_engines)
 
 STAGES = ('root_draw', 'propose', 'build_tree', 'verify_forward', 'walk', 'project', 'commit',
           'statistics', 'observe')
@@ -117,7 +117,7 @@ def main(argv):
   del argv
   c = _CONFIG.value
   policy = load_policy(c.checkpoint, c.dtype)
-  heads_config, heads = warm_started_heads(policy, c)
+  drafts = warm_started_drafts(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes, capacity_tokens=c.capacity_tokens,
                      per_batch_capacity=c.capacity_per_batch)
   sampler = SamplerConfig(temperature=c.temperature)
@@ -125,12 +125,12 @@ def main(argv):
                                  FLAGS.responses)
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-  engines = workload_engines(policy, heads_config, c, tree, sampler)
+  engines = workload_engines(policy, drafts, c, tree, sampler)
   engine = engines[FLAGS.engine]
   if FLAGS.engine == 'vanilla':
     params = policy.params
   elif FLAGS.engine == 'specroll':
-    params = engine.params(policy.params, heads)
+    params = engine.params(policy.params, drafts.params)
   else:
     reference = Driver(engines['vanilla'], rollout).generate(policy.params, prompts, samples,
                                                              c.seed)

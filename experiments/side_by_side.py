@@ -72,17 +72,17 @@ def by_bucket(engine, segments, repeats: int) -> dict:
   return out
 
 
-def compare(policy, heads_config, heads, prompts, samples, c, tree, sampler, prices,
+def compare(policy, drafts, prompts, samples, c, tree, sampler, prices,
             names=('vanilla', 'specroll', 'oracle')):
   """One side-by-side run of the engines `names` (workloads.ENGINE_NAMES, vanilla first) on
   `prompts` x `samples`; with c.speculation_gate the speculative engines' gates are priced
   from `prices` (measured when missing), and with c.size_trees their widths sized."""
   rollout = RolloutConfig(c.max_new_tokens, max_batch=len(prompts) * samples,
                           prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-  engines = workload_engines(policy, heads_config, c, tree, sampler, names)
+  engines = workload_engines(policy, drafts, c, tree, sampler, names)
   reference = Driver(engines['vanilla'], rollout).generate(policy.params, prompts, samples,
                                                            c.seed)  # also compiles
-  params = {name: engine.params(policy.params, heads) for name, engine in engines.items()
+  params = {name: engine.params(policy.params, drafts.params) for name, engine in engines.items()
             if name not in ('vanilla', 'oracle')}
   params['vanilla'] = policy.params
   if 'oracle' in engines:

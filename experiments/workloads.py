@@ -13,6 +13,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.drafter import DrafterConfig, has_drafter, load_drafter
+from specroll_jax.spec.drafter_proposer import DrafterProposer
 from specroll_jax.spec.factory import head_proposer, make_engine
 from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig
@@ -61,6 +62,30 @@ def warm_started_heads(policy, c):
                       plan, c.heads_dir, c.checkpoint)
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+  """What a benchmark's SpecRoll engine drafts with: the warm-started horizon heads, or
+  (c.drafts = 'drafter') the sequential drafter; `config` and `params` are that proposer's."""
+  kind: str      # 'heads' | 'drafter'
+  config: object  # HeadsConfig | DrafterConfig
+  params: object  # the proposer's parameters
+
+  def proposer(self, policy, c, sampler):
+    if self.kind == 'drafter':
+      return DrafterProposer(policy.config, self.config, tuple(c.drafter_branching), sampler)
+    return head_proposer(policy, self.config, c.heads_dir, sampler,
+                         HeadDraftConfig(tuple(c.branching)))
+
+
+def warm_started_drafts(policy, c) -> Drafts:
+  """c.drafts' proposer ('heads' when the config has no such field), warm-started if missing."""
+  kind = c.get('drafts', 'heads')
+  if kind not in ('heads', 'drafter'):
+    raise ValueError(f"config drafts must be 'heads' or 'drafter', got {kind!r}")
+  loaded = warm_started_drafter(policy, c) if kind == 'drafter' else warm_started_heads(policy, c)
+  return Drafts(kind, *loaded)
+
+
 def warm_started_drafter(policy, c):
   """The sequential drafter in c.drafter_dir, self-distilled (c.drafter) when missing."""
   d = c.drafter
@@ -88,24 +113,24 @@ def sweep_slice(prompts, samples, responses):
 ENGINE_NAMES = ('vanilla', 'specroll', 'oracle', 'group', 'both')
 
 
-def workload_engines(policy, heads_config, c, tree, sampler,
+def workload_engines(policy, drafts: Drafts, c, tree, sampler,
                      names=('vanilla', 'specroll', 'oracle')) -> dict:
   """The engines `names` of ENGINE_NAMES, with the same trees and budget: 'vanilla';
-  'specroll' (the warm-started heads); 'oracle' (the vanilla rollout's true future as a chain
-  as deep as the heads' trees, alone: the ceiling of the tree, paying for no heads); 'group'
-  (group drafts alone, c.group); 'both' (group drafts merged with the heads)."""
-  heads_proposer = head_proposer(policy, heads_config, c.heads_dir, sampler,
-                                 HeadDraftConfig(tuple(c.branching)))
+  'specroll' (`drafts`: the warm-started heads or drafter); 'oracle' (the vanilla rollout's
+  true future as a chain as deep as those drafts' trees, alone: the ceiling of the tree,
+  paying for no proposer); 'group' (group drafts alone, c.group); 'both' (group drafts
+  merged with `drafts`)."""
+  base_proposer = drafts.proposer(policy, c, sampler)
   group_drafts = (build(GroupDraftConfig, c.group, 'group')
                   if {'group', 'both'} & set(names) else None)
   speculative = lambda proposer: make_engine(policy, 'specroll', sampler, proposer=proposer,
                                              tree=tree)
   makers = {
       'vanilla': lambda: VanillaEngine(policy.config, sampler, policy.eos_ids),
-      'specroll': lambda: speculative(heads_proposer),
-      'oracle': lambda: speculative(OracleProposer(heads_proposer.depth)),
+      'specroll': lambda: speculative(base_proposer),
+      'oracle': lambda: speculative(OracleProposer(base_proposer.depth)),
       'group': lambda: speculative(GroupProposer(group_drafts)),
-      'both': lambda: speculative(GroupProposer(group_drafts, base=heads_proposer))}
+      'both': lambda: speculative(GroupProposer(group_drafts, base=base_proposer))}
   unknown = [n for n in names if n not in makers]
   if unknown:
     raise ValueError(f'unknown engines {unknown} (choose from {", ".join(ENGINE_NAMES)})')

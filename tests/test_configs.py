@@ -1,11 +1,11 @@
 """Every shipped config loads and is consistent with what the trainer will build."""
 import pytest
 
-from configs import bench_w2, bench_w3, bench_w4, group_drafts, paper, tiny_math
+from configs import bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper, tiny_math
 from configs.tiny_math import get_config
 from specroll_jax.rl.trainer import check_config, train
 from specroll_jax.tasks.data import load_dataset
-from experiments.workloads import ENGINE_NAMES
+from experiments.workloads import ENGINE_NAMES, drafter_config, warm_started_drafts
 from tests.conftest import FIXTURE_DATA
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
@@ -65,6 +65,19 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   c.rollout.group.min_match = 0
   with pytest.raises(ValueError, match='min_match must be >= 1'):
     check_config(c)
+
+
+def test_drafts_config_builds_its_proposers_and_cells():
+  c = drafts_w3.get_config()
+  assert c.drafts == 'heads'  # bench_w3's default; bench_drafts runs both proposers itself
+  assert set(c.proposers) <= {'heads', 'drafter', 'heads_group', 'drafter_group', 'oracle'}
+  assert len(c.drafter_branching) <= c.drafter.depth
+  assert {tuple(cell) for cell in c.greedy_cells} <= {(n, r) for n in c.budgets
+                                                      for r in c.responses}
+  drafter_config(c.drafter)  # the section is a valid DrafterConfig
+  c.drafts = 'medusa'
+  with pytest.raises(ValueError, match="drafts must be 'heads' or 'drafter'"):
+    warm_started_drafts(None, c)
 
 
 def test_group_drafts_config_names_known_engines():
