@@ -7,22 +7,23 @@ the same held-out prompts and seed as vanilla with every step a tree of that man
 (no gate, no sizing), and its tau (tokens per row step) is recorded with whether its
 responses are vanilla's. Proposers: the warm-started heads, the sequential drafter, either
 under group drafts, and the oracle (vanilla's own future as a chain as deep as the heads'
-trees: the ceiling at that depth). Proposing cost, in plain steps at one response: a tree
-step's measured price with the proposer, less the oracle's at the same width (the oracle
-proposes nothing: its chain is an input). Writes results.json and README.md to out_dir.
+trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
+proposer's `propose` timed alone against the vanilla step; and each tree step's whole price. Writes results.json and README.md to out_dir.
 """
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from absl import app
 from ml_collections import config_flags
 
 from specroll_jax import load_policy
 from specroll_jax.rl.sections import build
-from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.drafter import drafter_metadata
@@ -33,7 +34,8 @@ from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.spec.head_proposer import HeadDraftConfig
 from specroll_jax.spec.heads import heads_metadata
 from specroll_jax.spec.oracle_proposer import OracleProposer
-from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.spec.proposer import StepContext, Vocabulary
+from specroll_jax.spec.step_cost import STEPS_PER_CALL, compiled_steps, with_measured_step_costs
 from specroll_jax.spec.tree import TreeConfig
 from experiments.workloads import (benchmark_prompts, oracle_engine_params,
                                    warm_started_drafter, warm_started_heads)
@@ -96,17 +98,63 @@ def run_cell(policy, c, built, prompts, nodes, responses, sampler) -> dict:
   return out
 
 
-def proposing_costs(policy, c, built, prompts, sampler) -> dict:
-  """Tree-step price (plain steps) at one response and c.cost_nodes nodes per proposer."""
+def proposing_costs(policy, c, built, prompts, sampler, repeats: int = 15) -> dict:
+  """Plain steps per proposal at one response: a proposer's `propose` for a tree of
+  c.cost_nodes nodes, timed alone against the vanilla step in alternating calls of
+  STEPS_PER_CALL each (the median ratio). The oracle proposes nothing (its chain is an input)."""
   prompts, samples, rollout = cell_workload(c, prompts[:1], 1)
-  reference = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout).generate(
-      policy.params, prompts, samples, c.seed)
+  first_row = jnp.zeros((1,), jnp.int32)
+  costs = {}
+  for name, (proposer, proposer_params) in built.items():
+    if name == 'oracle':
+      continue
+    engine = fixed_budget_engine(policy, proposer, sampler, c.cost_nodes, 1)
+    params = engine.params(policy.params, proposer_params)
+    state = Driver(engine, rollout).first_state(params, prompts, samples)
+    levels = engine.tree_levels(1)
+
+    @jax.jit
+    def proposals(params, state):
+      root = jnp.argmax(state.next_logits, axis=-1).astype(jnp.int32)
+      vocab = Vocabulary(params.policy, policy.config)
+
+      def one(_, hidden):
+        proposal = proposer.propose(params.proposer, state.proposer,
+                                    StepContext(hidden, root, state.seqs, vocab), levels)
+        # A dependence on the proposal, so the calls are neither hoisted nor merged.
+        return hidden + 0.0 * jnp.sum(proposal.candidates.scores)
+      return jax.lax.fori_loop(0, STEPS_PER_CALL, one, state.last_hidden)
+
+    plain = compiled_steps(engine.plain_step)
+    key = jax.random.key(0)
+    jax.block_until_ready((proposals(params, state),
+                           plain(params, take_rows(state, first_row), key)))
+    ratios = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(proposals(params, state))
+      propose_seconds = time.perf_counter() - start
+      rows = jax.block_until_ready(take_rows(state, first_row))
+      start = time.perf_counter()
+      jax.block_until_ready(plain(params, rows, key))
+      ratios.append(propose_seconds / (time.perf_counter() - start))
+    costs[name] = statistics.median(ratios)
+    jax.clear_caches()
+  return costs
+
+
+def tree_step_prices(policy, c, built, prompts, sampler) -> dict:
+  """A whole tree step's price (plain steps) at one response and c.cost_nodes nodes, for
+  the proposers that fill that width (the oracle's chain stops at its depth + 1 nodes)."""
+  prompts, samples, rollout = cell_workload(c, prompts[:1], 1)
   prices = {}
   for name, (proposer, proposer_params) in built.items():
+    if name == 'oracle':
+      continue
     engine = fixed_budget_engine(policy, proposer, sampler, c.cost_nodes, 1)
-    params = (oracle_engine_params(engine, policy, reference, c.max_new_tokens)
-              if name == 'oracle' else engine.params(policy.params, proposer_params))
-    priced = with_measured_step_costs(engine, rollout, params, prompts, samples)
+    priced = with_measured_step_costs(engine, rollout,
+                                      engine.params(policy.params, proposer_params), prompts,
+                                      samples)
     prices[name] = priced.tree_step_cost(1)
     jax.clear_caches()
   return prices
@@ -121,6 +169,12 @@ def main(argv):
   prompts = benchmark_prompts(policy, c)
   samplers = {'t1': SamplerConfig(temperature=c.temperature),
               'greedy': SamplerConfig(temperature=0.0)}
+  # Prices first: they are timings, and the cells after them only count tokens and steps.
+  built = proposers(policy, c, samplers['t1'], heads_config, heads, drafter_config, drafter)
+  costs = proposing_costs(policy, c, built, prompts, samplers['t1'])
+  prices = tree_step_prices(policy, c, built, prompts, samplers['t1'])
+  print(f'at one response, {c.cost_nodes} nodes: proposing costs {costs}, tree-step prices '
+        f'{prices} (plain steps)', file=sys.stderr)
   cells = {}
   for key, sampler in samplers.items():
     built = proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter)
@@ -130,8 +184,6 @@ def main(argv):
           continue
         cells[f'{key}/{nodes}/{responses}'] = run_cell(policy, c, built, prompts, nodes,
                                                        responses, sampler)
-  built = proposers(policy, c, samplers['t1'], heads_config, heads, drafter_config, drafter)
-  prices = proposing_costs(policy, c, built, prompts, samplers['t1'])
   head_rates = heads_metadata(c.heads_dir).rank_hit_rate
   drafter_record = drafter_metadata(c.drafter_dir)
   tau = lambda name, nodes, responses: cells[f't1/{nodes}/{responses}'][name]['tau']
@@ -147,8 +199,8 @@ def main(argv):
       'drafter_top1_by_depth': list(drafter_record.top1_by_depth),
       'drafter_top1_mass_by_depth': list(drafter_record.mass_by_depth),
       'warm_start_s': drafter_record.seconds,
-      'drafter_cost': prices['drafter'] - prices['oracle'],
-      'heads_cost': prices['heads'] - prices['oracle'],
+      'drafter_cost': costs['drafter'],
+      'proposing_costs': costs,
       'tree_step_prices': prices,
       'identical_fraction': (sum(r['identical'] for cell in cells.values() for r in cell.values())
                              / sum(r['responses'] for cell in cells.values()
@@ -169,8 +221,9 @@ def main(argv):
   (out / 'README.md').write_text(
       f'# Draft quality on W3 at fixed budgets (tau)\n\n`{result["command"]}`\n\n'
       + '\n'.join(lines) + '\n\n'
-      f'Proposing cost at one response, {c.cost_nodes} nodes (plain steps): drafter '
-      f'{result["drafter_cost"]:.2f}, heads {result["heads_cost"]:.2f}. Held-out top-1: '
+      f'At one response and {c.cost_nodes} nodes, in plain steps: proposing '
+      + ', '.join(f'{n} {v:.2f}' for n, v in costs.items()) + '; whole tree step '
+      + ', '.join(f'{n} {v:.2f}' for n, v in prices.items()) + '. Held-out top-1: '
       f'head 1 {result["head1_top1"]:.3f}, drafter depth 1 {result["drafter_depth1_top1"]:.3f}'
       f'. Drafter warm start {result["warm_start_s"] / 60:.1f} min. Identical responses: '
       f'{result["identical_fraction"]:.3f}.\n')

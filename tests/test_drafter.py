@@ -55,6 +55,12 @@ def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
                     vocab.embed(candidates.tokens[:, 0]))
   best2 = vocab_ids[np.argmax(np.asarray(z2 @ vocab.rows(jnp.asarray(vocab_ids)).T), axis=-1)]
   np.testing.assert_array_equal(np.asarray(candidates.tokens[:, 3]), best2)
+  # The static layout survives tracing: a proposer traced in two programs (the engine's loop
+  # and a pricing loop) proposes the same candidates in both.
+  fresh = DrafterProposer(policy.config, CONFIG, (3, 2, 1), SamplerConfig(temperature=1.0))
+  for program in (jax.jit(lambda c: fresh.propose(params, None, c, 2).candidates.tokens),
+                  jax.jit(lambda c: fresh.propose(params, None, c, 2).candidates.tokens + 0)):
+    np.testing.assert_array_equal(np.asarray(program(context)), np.asarray(candidates.tokens))
   with pytest.raises(ValueError, match='exceeds the drafter'):
     DrafterProposer(policy.config, CONFIG, (2, 2, 2, 2), SamplerConfig())
 

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.rollout import sampling
@@ -67,10 +68,10 @@ class DrafterProposer(Proposer):
 
   @cached_property
   def _layout(self):
-    """(depth index [C], rank [C]) of each spine candidate."""
+    """(depth index [C], rank [C]) of each spine candidate: numpy, static across traces."""
     depth = [d for d, width in enumerate(self.branching) for _ in range(width)]
     rank = [r for width in self.branching for r in range(width)]
-    return jnp.asarray(depth), jnp.asarray(rank)
+    return np.asarray(depth), np.asarray(rank)
 
   def init(self, prompt_tokens, seqs) -> HeadStats:
     del prompt_tokens

@@ -28,7 +28,7 @@ STEPS_PER_CALL = 8
 ONE_PROJECTION_MAX_TOKENS = 32
 
 
-def _compiled(step):
+def compiled_steps(step):
   """`step` repeated STEPS_PER_CALL times in one call, in a loop like the decode loop's. The
   state is donated, so the cache is updated in place, not copied once per call (a copy
   would add the same constant to both kinds of step)."""
@@ -100,7 +100,7 @@ def measure_step_costs(engine, params, state, seed_key, buckets, repeats: int = 
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}')
-  tree_step, plain_step = _compiled(engine.tree_step), _compiled(engine.plain_step)
+  tree_step, plain_step = compiled_steps(engine.tree_step), compiled_steps(engine.plain_step)
   costs = []
   for batch in _priced_buckets(engine, state, buckets):
     cost, _ = _price(tree_step, plain_step, params, state, seed_key, batch, repeats)
@@ -123,7 +123,7 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}')
-  plain_step = _compiled(engine.plain_step)  # the same program at every width
+  plain_step = compiled_steps(engine.plain_step)  # the same program at every width
   tc = engine.tree_config
   trials, chosen = [], []
   for batch in _priced_buckets(engine, state, buckets):
@@ -133,7 +133,7 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
         trial_config = dataclasses.replace(tc, sized_widths=((batch, width),),
                                            one_projection=(batch,) if one_projection else ())
         trial_engine = dataclasses.replace(engine, tree_config=trial_config)
-        cost, tau = _price(_compiled(trial_engine.tree_step), plain_step, params, state,
+        cost, tau = _price(compiled_steps(trial_engine.tree_step), plain_step, params, state,
                            seed_key, batch, repeats)
         bucket_trials.append(WidthTrial(batch, width, one_projection, cost, tau))
         logging.info('batch %d, width %d, %s: %.2f plain steps, %.2f tokens per step', batch,
