@@ -8,7 +8,8 @@ the same held-out prompts and seed as vanilla with every step a tree of that man
 responses are vanilla's. Proposers: the warm-started heads, the sequential drafter, either
 under group drafts, and the oracle (vanilla's own future as a chain as deep as the heads'
 trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
-proposer's `propose` timed alone against the vanilla step; and each tree step's whole price. Writes results.json and README.md to out_dir.
+proposer's `propose` timed alone against the vanilla step; and each tree step's whole
+price. Writes results.json and README.md to out_dir.
 """
 import json
 import statistics
