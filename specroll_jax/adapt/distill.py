@@ -24,7 +24,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.spec.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
                                      init_heads, load_heads, save_heads)
-from specroll_jax.spec.pairs import HeadPairs, response_spans, top_targets
+from specroll_jax.spec.pairs import HeadPairs, response_spans, shifted, top_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +61,9 @@ def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], w
                       tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
 
 
-def _shifted(x, shift: int):
-  """x[:, t + shift] at t (zeros past the end), so row t lines up with its horizon."""
-  tail = jnp.zeros((x.shape[0], shift) + x.shape[2:], x.dtype)
-  return jnp.concatenate([x[:, shift:], tail], axis=1)
-
-
 def _horizon_mask(batch: HeadPairs, num_heads: int):
   """[B, T, H]: position t and its head-k horizon t+k+1 are both real tokens."""
-  return jnp.stack([_shifted(batch.valid, k + 1) & batch.valid
+  return jnp.stack([shifted(batch.valid, k + 1) & batch.valid
                     for k in range(1, num_heads + 1)], axis=2)
 
 
@@ -81,8 +75,8 @@ def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_p
   num_heads, dim = z.shape[2:]
   # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
   horizons = range(1, num_heads + 1)
-  ids = jnp.stack([jnp.concatenate([_shifted(batch.target_ids, k),
-                                    _shifted(batch.tokens, k + 1)[..., None]], axis=-1)
+  ids = jnp.stack([jnp.concatenate([shifted(batch.target_ids, k),
+                                    shifted(batch.tokens, k + 1)[..., None]], axis=-1)
                    for k in horizons], axis=2)  # [B, T, H, K + 1]
   mask = _horizon_mask(batch, num_heads)
   log_q = map_projected(
@@ -99,7 +93,7 @@ def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, head_param
   q_at_targets, q_realised, mask = _head_log_probs(heads_config, model_config, head_params,
                                                    policy_params, batch)
   num_heads = mask.shape[2]
-  target_logp = jnp.stack([_shifted(batch.target_logp, k) for k in range(1, num_heads + 1)],
+  target_logp = jnp.stack([shifted(batch.target_logp, k) for k in range(1, num_heads + 1)],
                           axis=2)  # [B, T, H, K]
   kl = jnp.sum(jnp.exp(target_logp) * (target_logp - q_at_targets), axis=-1)
   masked_sum = lambda x: jnp.sum(jnp.where(mask, x, 0.0), axis=(0, 1))
@@ -143,7 +137,7 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
                           lambda logits: jax.lax.top_k(logits, ranks)[1])
   guesses = guesses.reshape(batch_size, width, num_heads, ranks)
   horizons = range(1, num_heads + 1)
-  realised = jnp.stack([_shifted(batch.tokens, k + 1) for k in horizons], axis=2)
+  realised = jnp.stack([shifted(batch.tokens, k + 1) for k in horizons], axis=2)
   mask = _horizon_mask(batch, num_heads)
   match = (guesses == realised[..., None]) & mask[..., None]
   return jnp.sum(match, axis=(0, 1)), jnp.sum(mask, axis=(0, 1))
@@ -160,24 +154,33 @@ def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_
   return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
 
 
+def optax_loop(step, params, opt_state, train: HeadPairs, steps: int, batch_size: int,
+               seed: int, desc: str):
+  """`steps` calls of step(params, opt_state, batch) -> (params, opt_state, loss) on random
+  batches of `batch_size` rows of `train`, with a progress bar; (params, opt_state, loss)."""
+  rng = np.random.default_rng(seed)
+  rows = train.tokens.shape[0]
+  loss = float('nan')
+  with tqdm(range(steps), desc=desc, file=sys.stderr) as bar:
+    for _ in bar:
+      index = rng.choice(rows, min(batch_size, rows), replace=False)
+      params, opt_state, loss = step(params, opt_state, jax.tree.map(lambda x: x[index], train))
+      bar.set_postfix(loss=f'{float(loss):.3f}')
+  return params, opt_state, float(loss)
+
+
 def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: HeadPairs,
                 seed: int = 0, init_params=None):
   """Optax training of the head pytree alone; returns (head params, last loss)."""
   params = init_params if init_params is not None else init_heads(heads_config, policy.config,
                                                                   seed)
   optimizer = make_optimizer(config)
-  opt_state = optimizer.init(params)
-  rng = np.random.default_rng(seed)
-  rows = train.tokens.shape[0]
-  loss = float('nan')
-  with tqdm(range(config.steps), desc='training heads', file=sys.stderr) as bar:
-    for _ in bar:
-      index = rng.choice(rows, min(config.batch_size, rows), replace=False)
-      batch = jax.tree.map(lambda x: x[index], train)
-      params, opt_state, loss = train_step(heads_config, policy.config, config, optimizer,
-                                           params, opt_state, policy.params, batch)
-      bar.set_postfix(loss=f'{float(loss):.3f}')
-  return params, float(loss)
+  step = lambda params, opt_state, batch: train_step(heads_config, policy.config, config,
+                                                     optimizer, params, opt_state,
+                                                     policy.params, batch)
+  params, _, loss = optax_loop(step, params, optimizer.init(params), train, config.steps,
+                               config.batch_size, seed, 'training heads')
+  return params, loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ soft target is what the tree needs; a sampled token alone would train towards on
 Only the block's weights receive gradients.
 """
 import dataclasses
-import sys
 import time
 from functools import partial
 
@@ -18,15 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from specroll_jax.adapt.distill import WarmStart, generated_pairs
+from specroll_jax.adapt.distill import WarmStart, generated_pairs, optax_loop
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.spec.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
                                        drafter_step, frequency_vocabulary, init_drafter,
                                        save_drafter)
-from specroll_jax.spec.pairs import HeadPairs
+from specroll_jax.spec.pairs import HeadPairs, shifted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +36,6 @@ class DrafterTraining:
   steps: int = 400
 
 
-def _shifted(x, shift: int):
-  """x[:, t + shift] at t (zeros past the end)."""
-  tail = jnp.zeros((x.shape[0], shift) + x.shape[2:], x.dtype)
-  return jnp.concatenate([x[:, shift:], tail], axis=1)
-
-
 def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
                      policy_params, batch: HeadPairs):
   """Draft-vocabulary log-probs of each depth, teacher-forced: [depth] of [B, T, V_d]."""
@@ -53,7 +45,7 @@ def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: D
   z = batch.hidden.astype(jnp.float32)
   out = []
   for d in range(1, config.depth + 1):
-    z = drafter_step(config, model_config, params.weights, z, _shifted(embedded, d))
+    z = drafter_step(config, model_config, params.weights, z, shifted(embedded, d))
     out.append(jax.nn.log_softmax(z @ draft_rows.T, axis=-1))
   return out
 
@@ -71,10 +63,10 @@ def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: Draft
   losses, counts = [], []
   for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
                            start=1):
-    index, inside = _in_draft_vocab(params.vocab_ids, _shifted(batch.target_ids, d))
-    p = jnp.exp(_shifted(batch.target_logp, d))
+    index, inside = _in_draft_vocab(params.vocab_ids, shifted(batch.target_ids, d))
+    p = jnp.exp(shifted(batch.target_logp, d))
     ce = -jnp.sum(jnp.where(inside, p * jnp.take_along_axis(logq, index, axis=-1), 0.0), -1)
-    mask = batch.valid & _shifted(batch.valid, d)
+    mask = batch.valid & shifted(batch.valid, d)
     losses.append(jnp.sum(jnp.where(mask, ce, 0.0)))
     counts.append(jnp.sum(mask))
   return jnp.stack(losses), jnp.stack(counts)
@@ -108,10 +100,10 @@ def agreement(config: DrafterConfig, model_config, params: DrafterParams, policy
   for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
                            start=1):
     best = params.vocab_ids[jnp.argmax(logq, axis=-1)]  # [B, T]
-    targets, target_p = _shifted(batch.target_ids, d), jnp.exp(_shifted(batch.target_logp, d))
+    targets, target_p = shifted(batch.target_ids, d), jnp.exp(shifted(batch.target_logp, d))
     p_best = jnp.sum(jnp.where(targets == best[..., None], target_p, 0.0), axis=-1)
-    mask = batch.valid & _shifted(batch.valid, d + 1)
-    hits.append(jnp.sum(mask & (best == _shifted(batch.tokens, d + 1))))
+    mask = batch.valid & shifted(batch.valid, d + 1)
+    hits.append(jnp.sum(mask & (best == shifted(batch.tokens, d + 1))))
     mass.append(jnp.sum(jnp.where(mask, p_best, 0.0)))
     counts.append(jnp.sum(mask))
   return jnp.stack(hits), jnp.stack(mass), jnp.stack(counts)
@@ -142,19 +134,14 @@ def train_drafter(policy, config: DrafterConfig, training: DrafterTraining, trai
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(optax.cosine_decay_schedule(training.learning_rate,
                                                                   training.steps, 0.1)))
-  weights, vocab_ids = init_params.weights, init_params.vocab_ids
-  opt_state = optimizer.init(weights)
-  rng = np.random.default_rng(seed)
-  rows = train.tokens.shape[0]
-  loss = float('nan')
-  with tqdm(range(training.steps), desc='training drafter', file=sys.stderr) as bar:
-    for _ in bar:
-      index = rng.choice(rows, min(training.batch_size, rows), replace=False)
-      batch = jax.tree.map(lambda x: x[index], train)
-      weights, opt_state, loss = train_step(config, policy.config, training, optimizer, weights,
-                                            opt_state, vocab_ids, policy.params, batch)
-      bar.set_postfix(loss=f'{float(loss):.3f}')
-  return DrafterParams(weights=weights, vocab_ids=vocab_ids), float(loss)
+  vocab_ids = init_params.vocab_ids
+  step = lambda weights, opt_state, batch: train_step(config, policy.config, training,
+                                                      optimizer, weights, opt_state, vocab_ids,
+                                                      policy.params, batch)
+  weights, _, loss = optax_loop(step, init_params.weights, optimizer.init(init_params.weights),
+                                train, training.steps, training.batch_size, seed,
+                                'training drafter')
+  return DrafterParams(weights=weights, vocab_ids=vocab_ids), loss
 
 
 def warm_start_drafter(policy, config: DrafterConfig, training: DrafterTraining, prompts,

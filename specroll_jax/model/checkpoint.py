@@ -61,6 +61,35 @@ def _safetensors_files(directory: Path) -> list[Path]:
   return files
 
 
+def save_record_and_tensors(directory, record_file: str, record: dict, tensors_file: str,
+                            tree) -> None:
+  """A JSON record and a pytree of tensors ('/'-joined names) into `directory`, each by
+  rename, the tensors last: present tensors mean a complete save (heads, drafters)."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  record_tmp = directory / (record_file + '.tmp')
+  record_tmp.write_text(json.dumps(record, indent=2) + '\n')
+  record_tmp.replace(directory / record_file)
+  tensors_tmp = directory / (tensors_file + '.tmp')
+  save_file({'/'.join(k): v for k, v in traverse_util.flatten_dict(tree).items()},
+            str(tensors_tmp))
+  tensors_tmp.replace(directory / tensors_file)
+
+
+def unflatten_tensors(tensors: dict, expected, file: Path, model_config: ModelConfig) -> dict:
+  """'/'-joined tensors -> a pytree, checked leaf by leaf against `expected` (shapes, e.g.
+  from jax.eval_shape of the initialiser); a missing or misshapen tensor names the file."""
+  tree = traverse_util.unflatten_dict({tuple(k.split('/')): v for k, v in tensors.items()})
+  flat = traverse_util.flatten_dict(tree)
+  for name, want in traverse_util.flatten_dict(expected).items():
+    got = flat.get(name)
+    if got is None or got.shape != want.shape:
+      shape = None if got is None else tuple(got.shape)
+      raise ValueError(f'{file}: tensor {"/".join(name)!r} has shape {shape}, this policy '
+                       f'(hidden_size={model_config.hidden_size}) needs {want.shape}')
+  return tree
+
+
 def unreadable(file: Path, error: Exception) -> ValueError:
   """The error for a weights file that safetensors cannot parse (an interrupted copy, a
   truncated download), naming the file."""

@@ -24,11 +24,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct, traverse_util
+from flax import struct
 from safetensors import SafetensorError
-from safetensors.flax import load_file, save_file
+from safetensors.flax import load_file
 
-from specroll_jax.model.checkpoint import unreadable
+from specroll_jax.model.checkpoint import (save_record_and_tensors, unflatten_tensors,
+                                           unreadable)
 from specroll_jax.model.config import ModelConfig
 
 DRAFTER_FILE = 'drafter.safetensors'
@@ -124,20 +125,11 @@ class DrafterMetadata:
 
 def save_drafter(directory, config: DrafterConfig, params: DrafterParams,
                  metadata: DrafterMetadata | None = None) -> None:
-  """Writes drafter.safetensors (block weights and draft vocabulary) + drafter_config.json,
-  each by rename, the weights last: present weights mean a complete save."""
-  directory = Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
+  """Writes drafter.safetensors (block weights and draft vocabulary) + drafter_config.json."""
   record = {'drafter': dataclasses.asdict(config),
             'metadata': None if metadata is None else dataclasses.asdict(metadata)}
-  config_tmp = directory / (DRAFTER_CONFIG_FILE + '.tmp')
-  config_tmp.write_text(json.dumps(record, indent=2) + '\n')
-  config_tmp.replace(directory / DRAFTER_CONFIG_FILE)
-  tensors = {'/'.join(k): v for k, v in traverse_util.flatten_dict(params.weights).items()}
-  tensors[VOCAB_TENSOR] = params.vocab_ids
-  weights_tmp = directory / (DRAFTER_FILE + '.tmp')
-  save_file(tensors, str(weights_tmp))
-  weights_tmp.replace(directory / DRAFTER_FILE)
+  save_record_and_tensors(directory, DRAFTER_CONFIG_FILE, record, DRAFTER_FILE,
+                          {**params.weights, VOCAB_TENSOR: params.vocab_ids})
 
 
 def has_drafter(directory) -> bool:
@@ -190,13 +182,6 @@ def load_drafter(directory, model_config: ModelConfig) -> tuple[DrafterConfig, D
   if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= model_config.vocab_size:
     raise ValueError(f'{weights_path}: tensor {VOCAB_TENSOR!r} holds ids outside this policy\'s '
                      f'vocabulary of {model_config.vocab_size}')
-  weights = traverse_util.unflatten_dict({tuple(k.split('/')): v for k, v in tensors.items()})
   expected = jax.eval_shape(lambda: init_drafter(config, model_config, vocab_ids).weights)
-  flat = traverse_util.flatten_dict(weights)
-  for name, want in traverse_util.flatten_dict(expected).items():
-    got = flat.get(name)
-    if got is None or got.shape != want.shape:
-      shape = None if got is None else tuple(got.shape)
-      raise ValueError(f'{weights_path}: tensor {"/".join(name)!r} has shape {shape}, this '
-                       f'policy (hidden_size={model_config.hidden_size}) needs {want.shape}')
+  weights = unflatten_tensors(tensors, expected, weights_path, model_config)
   return config, DrafterParams(weights=weights, vocab_ids=jnp.asarray(vocab_ids, jnp.int32))

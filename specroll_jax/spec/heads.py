@@ -12,11 +12,11 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 from safetensors import SafetensorError
-from safetensors.flax import load_file, save_file
+from safetensors.flax import load_file
 
-from specroll_jax.model.checkpoint import unreadable
+from specroll_jax.model.checkpoint import (save_record_and_tensors, unflatten_tensors,
+                                           unreadable)
 from specroll_jax.model.config import ModelConfig
 
 HEADS_FILE = 'heads.safetensors'
@@ -81,18 +81,9 @@ class HeadsMetadata:
 def save_heads(directory, config: HeadsConfig, params,
                metadata: HeadsMetadata | None = None) -> None:
   """Writes heads.safetensors + heads_config.json (hyperparameters and training metadata)."""
-  directory = Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
   record = {'heads': dataclasses.asdict(config),
             'metadata': None if metadata is None else dataclasses.asdict(metadata)}
-  # Both files go in by rename, the weights last: present weights mean a complete save.
-  config_tmp = directory / (HEADS_CONFIG_FILE + '.tmp')
-  config_tmp.write_text(json.dumps(record, indent=2) + '\n')
-  config_tmp.replace(directory / HEADS_CONFIG_FILE)
-  weights_tmp = directory / (HEADS_FILE + '.tmp')
-  save_file({'/'.join(k): v for k, v in traverse_util.flatten_dict(params).items()},
-            str(weights_tmp))
-  weights_tmp.replace(directory / HEADS_FILE)
+  save_record_and_tensors(directory, HEADS_CONFIG_FILE, record, HEADS_FILE, params)
 
 
 def heads_metadata(directory) -> HeadsMetadata | None:
@@ -129,12 +120,6 @@ def load_heads(directory, model_config: ModelConfig) -> tuple[HeadsConfig, dict]
     tensors = load_file(str(weights_path))
   except SafetensorError as e:
     raise unreadable(weights_path, e) from None
-  params = traverse_util.unflatten_dict({tuple(k.split('/')): v for k, v in tensors.items()})
   expected = jax.eval_shape(lambda: init_heads(config, model_config))
-  for name, want in traverse_util.flatten_dict(expected).items():
-    got = traverse_util.flatten_dict(params).get(name)
-    if got is None or got.shape != want.shape:
-      shape = None if got is None else tuple(got.shape)
-      raise ValueError(f'{weights_path}: tensor {"/".join(name)!r} has shape {shape}, this '
-                       f'policy (hidden_size={model_config.hidden_size}) needs {want.shape}')
+  params = unflatten_tensors(tensors, expected, weights_path, model_config)
   return config, params

@@ -26,6 +26,12 @@ def top_targets(logits, top_k: int):
   return ids.astype(jnp.int32), jax.nn.log_softmax(logp, axis=-1)
 
 
+def shifted(x, shift: int):
+  """x[:, t + shift] at t (zeros past the end), so row t lines up with a later position."""
+  tail = jnp.zeros((x.shape[0], shift) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, shift:], tail], axis=1)
+
+
 def span_positions(starts, length: int, width: int):
   """Rows' positions [start, start + length) clipped to the row: (index [B, length], inside
   [B, length], False where the span runs past the row)."""
