@@ -15,15 +15,15 @@ def get_config():
   c.steps = 60
   c.checkpoint_every = 60
   c.rollout.prompts_per_step = 8
-  c.rollout.max_batch = 64
-  c.rollout.capacity_tokens = 512
+  c.rollout.driver.max_batch = 64
+  c.rollout.tree.capacity_tokens = 512
   # Every step verifies a tree, so each variant's heads are measured at every step.
   c.rollout.speculation_gate = False
   # The heads alone, as its committed results were measured; group drafts on W1 are
   # measured in results/group_drafts (and with --config.rollout.proposers=heads,group).
   c.rollout.proposers = 'heads'
   c.grpo.learning_rate = 3e-4
-  c.metrics.drift_kl = True
+  c.metrics.drift_kl_every = 1
   c.variants = ('static', 'online', 'reflex', 'slow', 'both')
   c.include_vanilla = True
   # The task its committed results were measured on (the main job now cycles 64 easy tasks).

@@ -24,12 +24,12 @@ def get_config():
   c.checkpoint_every = 8
   c.rollout.prompts_per_step = 4
   c.rollout.group_size = 4
-  c.rollout.max_new_tokens = 128
-  c.rollout.max_batch = 16
+  c.rollout.driver.max_new_tokens = 128
+  c.rollout.driver.max_batch = 16
   # 4 nodes per row at 16 rows: W3's verification forward is compute-bound beyond that here.
-  c.rollout.capacity_tokens = 64
-  c.rollout.max_nodes = 16
-  c.rollout.branching = (4, 2, 2, 1)
+  c.rollout.tree.capacity_tokens = 64
+  c.rollout.tree.max_nodes = 16
+  c.rollout.head_drafts.branching = (4, 2, 2, 1)
   c.heads.update(num_sequences=96, held_out=16, steps=150, batch_size=4)
   c.grpo.micro_batch_size = 8
   # A step size that moves a pretrained 135M policy measurably within 8 steps.

@@ -32,10 +32,10 @@ def get_config():
   c.repeats = 3
   c.capacity_tokens = 0      # 0: the cached capacity profile of this model on this backend
   c.capacity_per_batch = True  # the profile's knee at each batch size, not one C_hw
-  # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
+  # Plain steps wherever a tree is not expected to pay for its measured cost (speculative/gate.py).
   c.speculation_gate = True
   # Each bucket's tree width from the measured price and tokens per step of 2, 4, ... nodes
-  # (spec/step_cost.py size_trees) instead of C_hw // B alone.
+  # (speculative/step_cost.py size_trees) instead of C_hw // B alone.
   c.size_trees = False
   c.max_nodes = 64
   c.branching = (8, 4, 2, 2)

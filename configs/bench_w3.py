@@ -49,10 +49,10 @@ def get_config():
   # (0: the cached capacity profile) takes 28 compilations of the 30-layer forward.
   c.capacity_tokens = 64
   c.capacity_per_batch = True
-  # Plain steps wherever a tree is not expected to pay for its measured cost (spec/gate.py).
+  # Plain steps wherever a tree is not expected to pay for its measured cost (speculative/gate.py).
   c.speculation_gate = True
   # Each bucket's tree width from the measured price and tokens per step of 2, 4, ... nodes
-  # (spec/step_cost.py size_trees) instead of C_hw // B alone.
+  # (speculative/step_cost.py size_trees) instead of C_hw // B alone.
   c.size_trees = True
   c.max_nodes = 16
   c.branching = (4, 2, 2, 1)

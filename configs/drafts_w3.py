@@ -11,7 +11,7 @@ questions x 4 samples, kept in one 16-row bucket to the end).
 """
 from configs.bench_w3 import get_config as w3_config
 from specroll_jax.rl.sections import section
-from specroll_jax.spec.group_proposer import GroupDraftConfig
+from specroll_jax.speculative.group_proposer import GroupDraftConfig
 
 
 def get_config():

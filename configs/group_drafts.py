@@ -14,7 +14,7 @@ import ml_collections
 
 from configs.bench_w3 import get_config as w3_config
 from specroll_jax.rl.sections import section
-from specroll_jax.spec.group_proposer import GroupDraftConfig
+from specroll_jax.speculative.group_proposer import GroupDraftConfig
 
 
 def w1_config():

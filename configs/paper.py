@@ -57,8 +57,8 @@ def get_config(arg: str = 'qwen2.5-1.5b,gsm8k'):
   c.policy.checkpoint = f'/path/to/{model}'  # required: the user's HF directory
   c.policy.dtype = 'bfloat16'
   c.task.source, c.task.split = d['source'], ''
-  c.rollout.update(prompts_per_step=m['prompts_per_step'], max_new_tokens=d['max_new_tokens'],
-                   max_batch=m['max_batch'])
+  c.rollout.prompts_per_step = m['prompts_per_step']
+  c.rollout.driver.update(max_new_tokens=d['max_new_tokens'], max_batch=m['max_batch'])
   c.mesh.update(data=1, fsdp=-1, tensor=1)
   c.audit.every = 20  # a vanilla replay of every 20th rollout: ~5% more rollout time
   c.heads.update(num_sequences=2048, held_out=128, steps=2000)

@@ -16,9 +16,14 @@ from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.model.mesh import MeshConfig
 from specroll_jax.rl.audit import AuditConfig
 from specroll_jax.rl.grpo import GRPOConfig
+from specroll_jax.rl.rollouts import DRIVER_DERIVED, TREE_DERIVED
 from specroll_jax.rl.sections import section
-from specroll_jax.spec.gate import GateConfig
-from specroll_jax.spec.group_proposer import GroupDraftConfig
+from specroll_jax.rollout.driver import RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.speculative.gate import GateConfig
+from specroll_jax.speculative.group_proposer import GroupDraftConfig
+from specroll_jax.speculative.head_proposer import HeadDraftConfig
+from specroll_jax.speculative.tree import TreeConfig
 
 
 def get_config():
@@ -37,17 +42,22 @@ def get_config():
   # step showed no trend over 40 steps at any learning rate tried.
   c.task = ml_collections.ConfigDict(dict(
       source='synthetic:easy', count=64, data_dir='', split='', chat_template=False))
+  # One subsection per dataclass the rollouts build (rl/rollouts.py); tree.capacity_tokens 0
+  # = this model's profiled capacity (experiments.profile_capacity, cached).
   c.rollout = ml_collections.ConfigDict(dict(
-      engine='specroll', prompts_per_step=16, group_size=8, max_new_tokens=64,
-      temperature=1.0, top_k=0, top_p=1.0, max_batch=128,
-      capacity_tokens=0, max_nodes=64, branching=(8, 4, 2, 2), tree_attention='xla',
-      speculation_gate=True, gate=section(GateConfig),
-      # Drafting sources (spec.factory.PROPOSERS): the heads and the GRPO group's
+      engine='specroll', prompts_per_step=16, group_size=8, tree_attention='xla',
+      speculation_gate=True,
+      # Drafting sources (speculative.factory.PROPOSERS): the heads and the GRPO group's
       # continuations, merged into one tree.
-      proposers='heads,group', group=section(GroupDraftConfig)))
+      proposers='heads,group',
+      sampler=section(SamplerConfig),
+      driver=section(RolloutConfig, exclude=DRIVER_DERIVED, max_new_tokens=64, max_batch=128),
+      tree=section(TreeConfig, exclude=TREE_DERIVED, capacity_tokens=0),
+      head_drafts=section(HeadDraftConfig), group=section(GroupDraftConfig),
+      gate=section(GateConfig)))
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, num_sequences=512, held_out=64, steps=600, batch_size=32))
-  # Head adaptation (trainer.ADAPTATION_MODES): slow = the slow path alone. Reflex
+  # Head adaptation (rl.head_adaptation.ADAPTATION_MODES): slow = the slow path alone. Reflex
   # (mode=reflex|both) is off: on W1 its gates never open and it costs generation time
   # (WORKSPACE_NOTES, "Issue 15").
   c.adaptation = ml_collections.ConfigDict(dict(
@@ -59,7 +69,8 @@ def get_config():
   # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
   # fsdp x tensor; -1 = every device the other axes leave.
   c.mesh = section(MeshConfig)
-  c.metrics = ml_collections.ConfigDict(dict(drift_kl=False))
+  # drift_kl_every: KL(current || initial) on every N-th step's own tokens (0 = never).
+  c.metrics = ml_collections.ConfigDict(dict(drift_kl_every=0))
   # Every 5th step vanilla replays the rollout: identical responses and the measured
   # speedup go into metrics.jsonl and report.md.
   c.audit = section(AuditConfig, every=5)

@@ -2,7 +2,7 @@
 
   python -m experiments.bench_adaptation --config=configs/ablation_w1.py
 
-Variants (trainer.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
+Variants (rl.head_adaptation.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
 slow path only, both. Every variant starts from the same policy, data, seed and warm-started
 heads (trained once, copied), and emits the same tokens (their rollout digests are
 compared). Times are sums over the steps after `warmup_steps` (the first steps compile the
@@ -120,7 +120,7 @@ def write_outputs(c, result: dict, out: Path) -> str:
   (out / 'README.md').write_text(
       f"# Head-adaptation ablation (W1)\n\nCommand: `{result['command']}`\n\n"
       f"{c.steps} GRPO steps, {c.rollout.prompts_per_step} prompts x {c.rollout.group_size} "
-      f"samples x <= {c.rollout.max_new_tokens} tokens; drift KL(current || initial) at the "
+      f"samples x <= {c.rollout.driver.max_new_tokens} tokens; drift KL(current || initial) at the "
       f"last step {result['drift_kl_last']:.3f} nats/token; identical rollouts across "
       f"variants: {result['identical_rollouts']}.{agreement}\n\n" + '\n'.join(lines)
       + f"\n\nTimes are summed over steps {c.warmup_steps + 1}..{c.steps}, medians of "

@@ -27,17 +27,17 @@ from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.drafter import drafter_metadata
-from specroll_jax.spec.drafter_proposer import DrafterProposer
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.factory import head_proposer
-from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.spec.head_proposer import HeadDraftConfig
-from specroll_jax.spec.heads import heads_metadata
-from specroll_jax.spec.oracle_proposer import OracleProposer
-from specroll_jax.spec.proposer import StepContext, Vocabulary
-from specroll_jax.spec.step_cost import STEPS_PER_CALL, compiled_steps, with_measured_step_costs
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.drafter import drafter_metadata
+from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.factory import head_proposer
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.speculative.head_proposer import HeadDraftConfig
+from specroll_jax.speculative.heads import heads_metadata
+from specroll_jax.speculative.oracle_proposer import OracleProposer
+from specroll_jax.speculative.proposer import StepContext, Vocabulary
+from specroll_jax.speculative.step_cost import STEPS_PER_CALL, compiled_steps, with_measured_step_costs
+from specroll_jax.speculative.tree import TreeConfig
 from experiments.workloads import (benchmark_prompts, oracle_engine_params,
                                    warm_started_drafter, warm_started_heads)
 

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import tree_config
+from specroll_jax.speculative.factory import tree_config
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from experiments.side_by_side import compare
 from experiments.workloads import benchmark_prompts, warm_started_drafts

@@ -5,7 +5,7 @@
   python -m experiments.bench_rollout --config=configs/bench_w4.py   (SmolLM2, the GRPO tail)
 
 SpecRoll drafts with the static warm-started heads, or with `--config.drafts=drafter` (W3,
-W4) the sequential drafter (spec/drafter.py).
+W4) the sequential drafter (speculative/drafter.py).
 
 All engines run in this process on the same prompts, seed and sampler; each is compiled
 once, then timed `repeats` times in alternation, and ratios of medians are reported, for
@@ -29,7 +29,7 @@ from ml_collections import config_flags
 
 from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import tree_config
+from specroll_jax.speculative.factory import tree_config
 from experiments import roofline
 from experiments.side_by_side import compare
 from experiments.workloads import benchmark_prompts, sweep_slice, warm_started_drafts

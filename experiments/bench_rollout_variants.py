@@ -22,8 +22,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
-from specroll_jax.rl.trainer import Rollouts, resolve_policy, run_prompt_width
-from specroll_jax.spec.heads import load_heads
+from specroll_jax.rl.rollouts import Rollouts, run_prompt_width
+from specroll_jax.rl.run import resolve_policy
+from specroll_jax.speculative.heads import load_heads
 from specroll_jax.tasks.sources import load_tasks
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
@@ -36,7 +37,7 @@ _REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per variant.')
 # it runs the vanilla step inside the speculative engine's driver and loop.
 VARIANTS = {'vanilla': ('vanilla', 'heads', 'static', {}),
             'one node, no gate': ('specroll', 'heads', 'static',
-                                  {'speculation_gate': False, 'capacity_tokens': 1}),
+                                  {'speculation_gate': False, 'tree': {'capacity_tokens': 1}}),
             'heads': ('specroll', 'heads', 'static', {}),
             'heads+reflex': ('specroll', 'heads', 'reflex', {}),
             'heads+group': ('specroll', 'heads,group', 'static', {}),
@@ -58,7 +59,7 @@ def main(argv):
       c.rollout.engine, c.rollout.proposers, c.adaptation.mode = engine, proposers, mode
       c.rollout.update(overrides)
       rollouts = Rollouts(policy, c, heads_config, Path(_HEADS.value),
-                          run_prompt_width(task_prompts), Path(prices) / f'{len(runs)}.json')
+                          run_prompt_width(task_prompts), None, Path(prices) / f'{len(runs)}.json')
       rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
       runs[name] = rollouts
   times = {name: [] for name in runs}

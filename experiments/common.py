@@ -4,7 +4,9 @@ import shutil
 from pathlib import Path
 
 from specroll_jax.rl.report import TIME_KEYS
-from specroll_jax.rl.trainer import METRICS_FILE, STEP_COSTS_FILE, train
+from specroll_jax.rl.metrics import METRICS_FILE
+from specroll_jax.rl.run import STEP_COSTS_FILE
+from specroll_jax.rl.trainer import train
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
 DEFAULT_CHECKPOINT = STORIES260K_DIR

@@ -39,14 +39,14 @@ from specroll_jax.rl.audit import NEAR_TIE_MARGIN, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.drafter import DrafterConfig, DrafterParams, init_drafter
-from specroll_jax.spec.drafter_proposer import DrafterProposer
-from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.oracle_proposer import OracleProposer
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, init_drafter
+from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.oracle_proposer import OracleProposer
+from specroll_jax.speculative.tree import TreeConfig
 
 PROPOSERS = ('heads', 'reflex', 'group', 'oracle', 'drafter', 'drafter_group')
 MAX_PROMPT, MAX_NEW = 12, 24

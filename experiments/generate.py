@@ -17,12 +17,12 @@ from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
+from specroll_jax.speculative.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
                                        tree_config, with_group_drafts)
-from specroll_jax.spec.group_proposer import GroupDraftConfig
-from specroll_jax.spec.head_proposer import HeadDraftConfig
-from specroll_jax.spec.heads import load_heads
-from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.speculative.group_proposer import GroupDraftConfig
+from specroll_jax.speculative.head_proposer import HeadDraftConfig
+from specroll_jax.speculative.heads import load_heads
+from specroll_jax.speculative.step_cost import with_measured_step_costs
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -51,10 +51,10 @@ flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
 flags.DEFINE_list('branching', ['8', '4', '2', '2'], 'Candidate ranks per tree depth.')
 flags.DEFINE_bool('size_trees', False,
                   'With the gate: each batch bucket\'s tree width from the measured price and '
-                  'tokens per step of 2, 4, ... nodes (spec/step_cost.py size_trees).')
+                  'tokens per step of 2, 4, ... nodes (speculative/step_cost.py size_trees).')
 flags.DEFINE_bool('speculation_gate', True,
                   'engine=specroll: a plain step wherever a tree is not expected to pay for '
-                  'its cost, measured on these prompts before generating (spec/gate.py).')
+                  'its cost, measured on these prompts before generating (speculative/gate.py).')
 flags.DEFINE_integer('max_batch', 64, 'Largest compiled batch bucket.')
 flags.DEFINE_integer('mesh_data', 1, 'Devices on the data axis (-1: all).')
 flags.DEFINE_integer('mesh_tensor', 1, 'Devices on the tensor axis (weights split Megatron-style).')

@@ -28,11 +28,11 @@ from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.oracle_proposer import OracleProposer
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.oracle_proposer import OracleProposer
+from specroll_jax.speculative.tree import TreeConfig
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
 _OUT = flags.DEFINE_string('out_dir', 'results/bf16', 'Where results go.')

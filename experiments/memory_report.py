@@ -6,7 +6,7 @@
 
 The model's shapes come from config.policy.checkpoint's config.json, else (the paper
 configs) from configs/paper.py's ARCHITECTURES. The rollout cache and the learner's rows are
---prompt_width + rollout.max_new_tokens wide (the trainer uses the longest task prompt,
+--prompt_width + rollout.driver.max_new_tokens wide (the trainer uses the longest task prompt,
 rounded up to 16).
 """
 import json
@@ -21,7 +21,7 @@ from specroll_jax.model.config import config_from_hf, load_config
 from specroll_jax.model.mesh import AXES, MeshConfig
 from specroll_jax.rl import memory
 from specroll_jax.rl.sections import build
-from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.speculative.heads import HeadsConfig
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 flags.DEFINE_integer('devices', 8, 'Devices the run will have (all processes together).')
@@ -49,7 +49,7 @@ def main(argv):
   c = _CONFIG.value
   config = model_config(c)
   shape = dict(zip(AXES, build(MeshConfig, c.mesh, 'mesh').shape(FLAGS.devices)))
-  width = FLAGS.prompt_width + c.rollout.max_new_tokens
+  width = FLAGS.prompt_width + c.rollout.driver.max_new_tokens
   heads = HeadsConfig(c.heads.num_heads) if c.rollout.engine == 'specroll' else None
   report = memory.report(config, memory.Workload.from_config(c, width, heads), shape)
   print(report.table())

@@ -9,7 +9,7 @@ from absl import app, flags
 
 from experiments.common import DEFAULT_CHECKPOINT
 from specroll_jax import load_policy
-from specroll_jax.spec.capacity import MAX_SPREAD, baselines, measure_capacity, save_profile
+from specroll_jax.speculative.capacity import MAX_SPREAD, baselines, measure_capacity, save_profile
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_integer('max_batch', 64, 'Largest batch; max_batch / 2, / 4, / 8 are also measured.')

@@ -25,7 +25,9 @@ from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
 from specroll_jax.rl import grpo
-from specroll_jax.rl.trainer import grpo_config, resolve_policy, run_prompt_width
+from specroll_jax.rl.learner import grpo_config
+from specroll_jax.rl.rollouts import run_prompt_width
+from specroll_jax.rl.run import resolve_policy
 from specroll_jax.tasks.sources import load_tasks
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
@@ -79,10 +81,11 @@ def learner_batch(policy, c) -> grpo.RolloutBatch:
   prompts = all_prompts[:r.prompts_per_step]
   rows = [p for p in prompts for _ in range(r.group_size)]
   rng = np.random.default_rng(0)
-  responses = [list(rng.integers(0, policy.config.vocab_size, r.max_new_tokens)) for _ in rows]
-  logprobs = [[-1.0] * r.max_new_tokens for _ in rows]
+  new_tokens = r.driver.max_new_tokens
+  responses = [list(rng.integers(0, policy.config.vocab_size, new_tokens)) for _ in rows]
+  logprobs = [[-1.0] * new_tokens for _ in rows]
   advantages = rng.standard_normal(len(rows)).astype(np.float32)
-  width = run_prompt_width(all_prompts) + r.max_new_tokens
+  width = run_prompt_width(all_prompts) + new_tokens
   return grpo.batch_from_rollouts(rows, responses, logprobs, advantages, width)
 
 

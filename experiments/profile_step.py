@@ -30,7 +30,7 @@ from ml_collections import config_flags
 from specroll_jax import load_policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import tree_config
+from specroll_jax.speculative.factory import tree_config
 from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
                                    warm_started_drafts, workload_engines)
 

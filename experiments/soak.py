@@ -20,7 +20,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from specroll_jax.rl.trainer import METRICS_FILE, train
+from specroll_jax.rl.metrics import METRICS_FILE
+from specroll_jax.rl.trainer import train
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402

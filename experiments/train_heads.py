@@ -26,14 +26,14 @@ from experiments.common import DEFAULT_CHECKPOINT, read_prompts
 from specroll_jax import load_policy
 from specroll_jax.adapt import distill
 from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_drafter
-from specroll_jax.spec.drafter import DrafterConfig
-from specroll_jax.spec.heads import HeadsConfig
+from specroll_jax.speculative.drafter import DrafterConfig
+from specroll_jax.speculative.heads import HeadsConfig
 from specroll_jax.tasks.sources import load_tasks
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('out', None, 'Directory to write the heads to.')
 flags.DEFINE_enum('proposer', 'heads', ['heads', 'drafter'],
-                  'Horizon heads, or the sequential drafter (spec/drafter.py).')
+                  'Horizon heads, or the sequential drafter (speculative/drafter.py).')
 flags.DEFINE_string('prompts', None, 'Optional JSONL prompts; default: generate from BOS.')
 flags.DEFINE_bool('gsm8k_train', False,
                   'Instead of --prompts: GSM8K train questions, one per generation (data from '

@@ -12,14 +12,14 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.drafter import DrafterConfig, has_drafter, load_drafter
-from specroll_jax.spec.drafter_proposer import DrafterProposer
-from specroll_jax.spec.factory import head_proposer, make_engine
-from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.spec.head_proposer import HeadDraftConfig
-from specroll_jax.spec.heads import HeadsConfig
-from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
-from specroll_jax.spec.step_cost import with_measured_step_costs
+from specroll_jax.speculative.drafter import DrafterConfig, has_drafter, load_drafter
+from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.factory import head_proposer, make_engine
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.speculative.head_proposer import HeadDraftConfig
+from specroll_jax.speculative.heads import HeadsConfig
+from specroll_jax.speculative.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.speculative.step_cost import with_measured_step_costs
 from specroll_jax.tasks.sources import load_tasks
 
 
@@ -156,7 +156,7 @@ class GatePrices:
 
 def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
                   size_widths: bool = False) -> dict:
-  """`engines` with each speculative engine's gate priced (spec/step_cost.py), and with
+  """`engines` with each speculative engine's gate priced (speculative/step_cost.py), and with
   `size_widths` its trees sized there too: on this workload the first time an engine name is
   seen, then from `prices` (name -> GatePrices), so a sweep prices once, on its largest
   batch, and every smaller run reuses those buckets."""

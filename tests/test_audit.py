@@ -5,7 +5,7 @@ import dataclasses
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, Audit, AuditConfig, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.factory import make_engine
+from specroll_jax.speculative.factory import make_engine
 
 
 def test_audit_counts_identical_responses_and_flags_a_contract_break(stories_policy):

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from specroll_jax.spec import capacity
-from specroll_jax.spec.capacity import CapacityProfile, pick_capacity
+from specroll_jax.speculative import capacity
+from specroll_jax.speculative.capacity import CapacityProfile, pick_capacity
 
 
 def _sweep(batch, latencies):

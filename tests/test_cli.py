@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from specroll_jax.spec.heads import HeadsConfig, init_heads, save_heads
+from specroll_jax.speculative.heads import HeadsConfig, init_heads, save_heads
 from tests.conftest import REPO
 
 

@@ -3,7 +3,8 @@ import pytest
 
 from configs import bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper, tiny_math
 from configs.tiny_math import get_config
-from specroll_jax.rl.trainer import check_config, train
+from specroll_jax.rl.run import check_config
+from specroll_jax.rl.trainer import train
 from specroll_jax.tasks.data import load_dataset
 from experiments.workloads import ENGINE_NAMES, drafter_config, warm_started_drafts
 from tests.conftest import FIXTURE_DATA
@@ -16,7 +17,7 @@ PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 def test_training_configs_are_consistent(config):
   rows = config.rollout.prompts_per_step * config.rollout.group_size
   assert rows % config.grpo.micro_batch_size == 0
-  assert config.rollout.max_batch % 8 == 0
+  assert config.rollout.driver.max_batch % 8 == 0
   check_config(config)  # every section builds its dataclass: clip ranges, lr, modes, ...
   if not config.task.source.startswith('synthetic:'):
     assert load_dataset(config.task.source, FIXTURE_DATA).examples

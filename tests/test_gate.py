@@ -7,13 +7,13 @@ import pytest
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec import gate
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.gate import GateConfig, GateState
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.step_cost import size_trees, with_measured_step_costs
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative import gate
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.gate import GateConfig, GateState
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.step_cost import size_trees, with_measured_step_costs
+from specroll_jax.speculative.tree import TreeConfig
 
 CONFIG = GateConfig(warmup_tree_steps=2, probe_interval=4, max_probe_interval=16, horizon=4)
 

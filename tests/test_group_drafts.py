@@ -8,11 +8,11 @@ import pytest
 
 from specroll_jax.rollout.driver import take_rows
 from specroll_jax.rollout.sequences import Sequences
-from specroll_jax.spec.group_proposer import (GroupBuffer, GroupDraftConfig, GroupProposer,
+from specroll_jax.speculative.group_proposer import (GroupBuffer, GroupDraftConfig, GroupProposer,
                                               GroupRecord, GroupStats, match_chains, merge,
                                               refresh, row_tail, sibling_ids)
-from specroll_jax.spec.proposer import Candidates, Feedback, Proposal, StepContext
-from specroll_jax.spec.tree import build_tree, static_paths
+from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, StepContext
+from specroll_jax.speculative.tree import build_tree, static_paths
 
 GAP = -1
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from specroll_jax.adapt import distill
-from specroll_jax.spec.heads import (HeadsConfig, HeadsMetadata, apply_heads, heads_metadata,
+from specroll_jax.speculative.heads import (HeadsConfig, HeadsMetadata, apply_heads, heads_metadata,
                                      init_heads, load_heads, save_heads)
 
 

@@ -1,10 +1,10 @@
-"""Subpackages import only downward: model < rollout < spec < adapt < tasks < rl."""
+"""Subpackages import only downward: model < rollout < speculative < adapt < tasks < rl."""
 import ast
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / 'specroll_jax'
-LAYERS = ('model', 'rollout', 'spec', 'adapt', 'tasks', 'rl')
+LAYERS = ('model', 'rollout', 'speculative', 'adapt', 'tasks', 'rl')
 
 
 def imported_subpackages(source: str) -> set[str]:
@@ -44,6 +44,6 @@ def test_every_module_imports_only_its_own_or_lower_layers():
 
 def test_the_check_sees_an_upward_import_in_a_function_body():
   source = 'def f():\n  from specroll_jax.rl import grpo\n  from specroll_jax.model import mesh\n'
-  assert upward_imports('spec', source) == {'rl'}
-  assert upward_imports('rl', 'from specroll_jax import spec\n') == set()
+  assert upward_imports('speculative', source) == {'rl'}
+  assert upward_imports('rl', 'from specroll_jax import speculative\n') == set()
   assert upward_imports('model', 'import specroll_jax.adapt.reflex\n') == {'adapt'}

@@ -8,7 +8,7 @@ from safetensors.numpy import load_file, save_file
 
 from specroll_jax import load_policy
 from specroll_jax.model.config import load_config
-from specroll_jax.spec.heads import HEADS_FILE, HeadsConfig, init_heads, load_heads, save_heads
+from specroll_jax.speculative.heads import HEADS_FILE, HeadsConfig, init_heads, load_heads, save_heads
 from tests.conftest import STORIES
 
 

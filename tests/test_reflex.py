@@ -8,10 +8,10 @@ from specroll_jax.adapt.reflex import ReflexConfig, ReflexState
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.tree import TreeConfig
 
 VOCAB, DIM, HEADS, TOP = 128, 64, 2, 16  # DIM as in stories260K; TOP: proposal K and policy M
 

@@ -15,14 +15,15 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from specroll_jax import load_policy
-from specroll_jax.rl.trainer import STEP_COSTS_FILE, train
+from specroll_jax.rl.run import STEP_COSTS_FILE
+from specroll_jax.rl.trainer import train
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from tests.conftest import REPO
 from tests.test_trainer import SMALL, _config, _metrics
 
 # The committed W1 policy answers some of these tasks, so advantages (and gradients) are
 # not zero; a small learning rate keeps step 2's rollout on the tokens of step 1's params.
-SCALE = {'policy.checkpoint': '', 'rollout.max_new_tokens': 40, 'steps': 2,
+SCALE = {'policy.checkpoint': '', 'rollout.driver.max_new_tokens': 40, 'steps': 2,
          'grpo.learning_rate': 1e-4, 'grpo.weight_decay': 0.0}
 SHARDED = {'mesh.data': 1, 'mesh.fsdp': 4, 'mesh.tensor': 2}
 

@@ -14,8 +14,8 @@ from specroll_jax.rl import grpo
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.pairs import response_spans
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.pairs import response_spans
 
 HEADS = 3
 

@@ -29,15 +29,15 @@ from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.drafter import DrafterConfig, init_drafter
-from specroll_jax.spec.drafter_proposer import DrafterProposer
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.gate import GateConfig
-from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, init_heads
-from specroll_jax.spec.oracle_proposer import OracleParams, OracleProposer
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
+from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.gate import GateConfig
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, init_heads
+from specroll_jax.speculative.oracle_proposer import OracleParams, OracleProposer
+from specroll_jax.speculative.tree import TreeConfig
 from tests.conftest import STORIES
 from tests.tiny_models import make_checkpoint
 

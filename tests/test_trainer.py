@@ -14,14 +14,17 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs.tiny_math import get_config
-from specroll_jax.rl.trainer import STEP_COSTS_FILE, _truncate_metrics, train
+from specroll_jax.rl.metrics import truncate_metrics
+from specroll_jax.rl.run import STEP_COSTS_FILE
+from specroll_jax.rl.trainer import train
 from tests.conftest import REPO, STORIES
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight
 # decay still moves the policy every step, so later rollouts come from changed weights.
-SMALL = {'steps': 3, 'checkpoint_every': 1, 'policy.checkpoint': str(STORIES), 'rollout.prompts_per_step': 4,
-         'rollout.group_size': 4, 'rollout.max_new_tokens': 20, 'rollout.max_batch': 16,
-         'rollout.capacity_tokens': 64, 'grpo.micro_batch_size': 8, 'grpo.weight_decay': 0.5,
+SMALL = {'steps': 3, 'checkpoint_every': 1, 'policy.checkpoint': str(STORIES),
+         'rollout.prompts_per_step': 4, 'rollout.group_size': 4,
+         'rollout.driver.max_new_tokens': 20, 'rollout.driver.max_batch': 16,
+         'rollout.tree.capacity_tokens': 64, 'grpo.micro_batch_size': 8, 'grpo.weight_decay': 0.5,
          'grpo.learning_rate': 1e-2, 'task.count': 64, 'heads.num_sequences': 16,
          'heads.held_out': 4, 'heads.steps': 5, 'audit.every': 0,
          # One device, as a one-CPU machine runs it (the suite forces 8 host devices).
@@ -165,7 +168,7 @@ def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
 def test_metrics_cut_short_by_a_kill_are_dropped_on_resume(tmp_path):
   path = tmp_path / 'metrics.jsonl'
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
-  _truncate_metrics(path, last_step=2)
+  truncate_metrics(path, last_step=2)
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
@@ -176,4 +179,4 @@ def test_config_pointing_at_a_missing_checkpoint_is_a_clear_error(tmp_path):
 
 def test_prompt_longer_than_the_model_allows_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-    train(_config(rollout__engine='vanilla', rollout__max_new_tokens=480), tmp_path / 'run')
+    train(_config(rollout__engine='vanilla', rollout__driver__max_new_tokens=480), tmp_path / 'run')

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.spec.head_proposer import CandidateTable
-from specroll_jax.spec.proposer import Candidates
-from specroll_jax.spec.tree import TreeConfig, build_tree
+from specroll_jax.speculative.head_proposer import CandidateTable
+from specroll_jax.speculative.proposer import Candidates
+from specroll_jax.speculative.tree import TreeConfig, build_tree
 
 
 def _rank_path_candidates(branching, tokens, scores):

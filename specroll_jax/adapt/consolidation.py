@@ -23,8 +23,8 @@ import optax
 from specroll_jax.adapt import distill
 from specroll_jax.adapt.distill import DistillConfig
 from specroll_jax.model.mesh import to_host
-from specroll_jax.spec.heads import HeadsConfig
-from specroll_jax.spec.pairs import HeadPairs
+from specroll_jax.speculative.heads import HeadsConfig
+from specroll_jax.speculative.pairs import HeadPairs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,9 @@ from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
+from specroll_jax.speculative.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
                                      init_heads, load_heads, save_heads)
-from specroll_jax.spec.pairs import HeadPairs, response_spans, shifted, top_targets
+from specroll_jax.speculative.pairs import HeadPairs, response_spans, shifted, top_targets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Self-distillation of the sequential drafter on the policy's own generations.
 
-The pairs are the heads' (spec/pairs.py): one policy forward over (prompt + response)
+The pairs are the heads' (speculative/pairs.py): one policy forward over (prompt + response)
 gives every position's hidden state h_t and the policy's top-K law of x_{t+1}. The drafter
 is unrolled from h_t over the realised tokens, as it runs in the tree along its best
 guesses: z_d = f(z_{d-1}, e(x_{t+d})), and depth d is trained towards the policy's law at
@@ -21,10 +21,10 @@ import optax
 from specroll_jax.adapt.distill import WarmStart, generated_pairs, optax_loop
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import Transformer
-from specroll_jax.spec.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
+from specroll_jax.speculative.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
                                        drafter_step, frequency_vocabulary, init_drafter,
                                        save_drafter)
-from specroll_jax.spec.pairs import HeadPairs, shifted
+from specroll_jax.speculative.pairs import HeadPairs, shifted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from specroll_jax.spec.head_proposer import HeadStats
+from specroll_jax.speculative.head_proposer import HeadStats
 
 
 @dataclasses.dataclass(frozen=True)

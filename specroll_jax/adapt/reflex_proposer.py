@@ -14,8 +14,8 @@ from flax import struct
 
 from specroll_jax.adapt import reflex
 from specroll_jax.adapt.reflex import ReflexConfig, ReflexState, ReflexTrace
-from specroll_jax.spec.head_proposer import HeadGuesses, HeadProposer, HeadStats
-from specroll_jax.spec.proposer import Feedback, Proposal, Proposer, StepContext
+from specroll_jax.speculative.head_proposer import HeadGuesses, HeadProposer, HeadStats
+from specroll_jax.speculative.proposer import Feedback, Proposal, Proposer, StepContext
 
 
 @struct.dataclass

@@ -38,7 +38,7 @@ PARAM_RULES = (
     (r'.*/lora_a$', P('fsdp', None)),
     (r'.*/lora_b$', P(None, 'fsdp')),
 )
-# Horizon heads (spec/heads.py): w1 [H, D, inner] column-, w2 [H, inner, D] row-parallel.
+# Horizon heads (speculative/heads.py): w1 [H, D, inner] column-, w2 [H, inner, D] row-parallel.
 HEAD_RULES = (
     (r'w1$', P(None, 'fsdp', 'tensor')),
     (r'w2$', P(None, 'tensor', 'fsdp')),

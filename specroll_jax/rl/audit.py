@@ -21,10 +21,11 @@ from absl import logging
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.policy import Policy, full_sequence_logits
+from specroll_jax.rl.schedule import due
 from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig, draw_margin, log_weights, token_keys
-from specroll_jax.spec.factory import make_engine
+from specroll_jax.speculative.factory import make_engine
 
 # Logits of differently shaped float32 forwards differ by ~1e-5 here (1.2e-4 at most
 # against transformers on W3's 30 layers); a contract break moves scores by O(1).
@@ -62,7 +63,7 @@ class Audit:
 
   def due(self, step: int) -> bool:
     """Whether GRPO step `step` (1-based) is audited."""
-    return self.config.every > 0 and step % self.config.every == 0
+    return due(self.config.every, step)
 
   def __call__(self, policy_params, prompts, seed: int, responses, rollout_seconds: float):
     """Metrics of one audited step: `responses` came from the trainer's engine in

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.tree import TreeConfig
 
 
 def initialize(coordinator_address: str = '', num_processes: int = 0, process_id: int = -1,

@@ -26,7 +26,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
 from specroll_jax.rl import lora
-from specroll_jax.spec.pairs import HeadPairs, span_positions, take_positions, top_targets
+from specroll_jax.speculative.pairs import HeadPairs, span_positions, take_positions, top_targets
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
 

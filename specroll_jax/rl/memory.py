@@ -22,14 +22,14 @@ from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_s
                                      cache_layer_spec, rule_specs)
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.rl import grpo, lora
-from specroll_jax.spec.heads import HeadsConfig, HorizonHeads
+from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
 GIB = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  rollout_rows: int       # the largest rollout batch bucket (rollout.max_batch)
+  rollout_rows: int       # the largest rollout batch bucket (rollout.driver.max_batch)
   cache_length: int       # KV slots per row: prompt width + max new tokens
   micro_batch_rows: int   # grpo.micro_batch_size
   learner_width: int      # tokens per learner row
@@ -39,7 +39,7 @@ class Workload:
 
   @classmethod
   def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
-    return cls(rollout_rows=c.rollout.max_batch, cache_length=width,
+    return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=c.grpo.micro_batch_size, learner_width=width,
                lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads)
 

@@ -16,6 +16,10 @@ def section(cls, exclude=(), **overrides) -> ml_collections.ConfigDict:
   unknown = sorted(set(overrides) - set(fields))
   if unknown:
     raise ValueError(f'{cls.__name__} has no field(s) {unknown}')
+  required = sorted(name for name, default in fields.items()
+                    if default is dataclasses.MISSING and name not in overrides)
+  if required:
+    raise ValueError(f'{cls.__name__} needs a value for {required} (no default)')
   return ml_collections.ConfigDict({**fields, **overrides})
 
 

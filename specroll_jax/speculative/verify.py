@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specroll_jax.rollout import sampling
-from specroll_jax.spec.proposer import Feedback
-from specroll_jax.spec.tree import Tree
+from specroll_jax.speculative.proposer import Feedback
+from specroll_jax.speculative.tree import Tree
 
 
 @struct.dataclass

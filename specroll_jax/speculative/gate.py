@@ -1,7 +1,7 @@
 """The speculation gate: each step, a tree only when it is expected to pay for itself.
 
 At a batch bucket a tree step costs `cost` plain (vanilla) steps, as measured on the
-engine's own steps by spec/step_cost.py. A tree step emits 1 + accepted tokens per row, and a
+engine's own steps by speculative/step_cost.py. A tree step emits 1 + accepted tokens per row, and a
 plain step emits 1. It runs the tree when the running rows' expected 1 + accepted > cost.
 
 What a row accepts is bounded by the levels its tree reaches, `min(depth, width - 1)`, and

@@ -1,14 +1,14 @@
 """The speculative engine: a proposer drafts, a sparse tree is verified in one policy forward.
 
 One step per running row (METHOD.md section 2): draw the root from the policy's
-distribution at the last verified position; the proposer (spec/proposer.py) drafts
+distribution at the last verified position; the proposer (speculative/proposer.py) drafts
 candidates; a concurrency-aware tree of N_t nodes (tree.py) runs through the policy with
 tree attention (ancestor mask, positions = prefix length + depth); sample-and-match
 (verify.py) accepts a path; the path's keys/values are committed to the cache at each row's
 own length, its last node seeds the next step, and the proposer observes the verifier's
 feedback. Exactness does not depend on the proposer: bad drafts only lower tokens per forward.
 Where a tree cannot pay for itself (one node per row, or the speculation gate's estimate
-against the measured cost of a tree step, spec/gate.py) the step is the vanilla step itself.
+against the measured cost of a tree step, speculative/gate.py) the step is the vanilla step itself.
 """
 import dataclasses
 from functools import partial
@@ -30,10 +30,10 @@ from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.rollout.vanilla import decode_one
-from specroll_jax.spec import gate
-from specroll_jax.spec.proposer import Feedback, Proposer, StepContext, Vocabulary
-from specroll_jax.spec.tree import TreeConfig, build_tree
-from specroll_jax.spec.verify import walk
+from specroll_jax.speculative import gate
+from specroll_jax.speculative.proposer import Feedback, Proposer, StepContext, Vocabulary
+from specroll_jax.speculative.tree import TreeConfig, build_tree
+from specroll_jax.speculative.verify import walk
 
 
 @struct.dataclass
@@ -96,7 +96,7 @@ class SpecEngine(Engine):
   mesh: Mesh | None = None
   tree_attention: str = 'xla'  # attention for the tree forward (model/attention.py)
   # ((batch, cost of a tree step in plain steps), ...) ascending, from
-  # spec.step_cost.measure_step_costs; empty: no gate, every step of width > 1 is a tree.
+  # speculative.step_cost.measure_step_costs; empty: no gate, every step of width > 1 is a tree.
   tree_step_costs: tuple = ()
   gate_config: gate.GateConfig = gate.GateConfig()
 

@@ -17,8 +17,8 @@ from flax import struct
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.rollout import sampling
-from specroll_jax.spec.heads import HeadsConfig, apply_heads
-from specroll_jax.spec.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
+from specroll_jax.speculative.heads import HeadsConfig, apply_heads
+from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
 
 
 @dataclasses.dataclass(frozen=True)

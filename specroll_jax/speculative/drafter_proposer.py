@@ -29,9 +29,9 @@ import numpy as np
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.rollout import sampling
-from specroll_jax.spec.drafter import DrafterConfig, DrafterParams, drafter_step
-from specroll_jax.spec.head_proposer import HeadGuesses, HeadStats
-from specroll_jax.spec.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
+from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, drafter_step
+from specroll_jax.speculative.head_proposer import HeadGuesses, HeadStats
+from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
 
 
 def spine_parents(branching) -> tuple:

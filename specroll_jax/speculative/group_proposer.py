@@ -37,8 +37,8 @@ import numpy as np
 from flax import struct
 
 from specroll_jax.rollout.sequences import Sequences
-from specroll_jax.spec.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
-from specroll_jax.spec.tree import static_paths
+from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
+from specroll_jax.speculative.tree import static_paths
 
 # Corpus padding and separators: never equal to a token, so no match runs across them.
 _GAP = -1

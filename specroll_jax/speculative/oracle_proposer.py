@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specroll_jax.spec.proposer import Candidates, Proposal, Proposer
+from specroll_jax.speculative.proposer import Candidates, Proposal, Proposer
 
 
 @struct.dataclass

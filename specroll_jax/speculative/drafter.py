@@ -1,6 +1,6 @@
 """A sequential drafter: one small block that drafts the next token from the last one.
 
-Horizon heads (spec/heads.py) read only h_t, so head 1 guesses x_{t+2} without knowing the
+Horizon heads (speculative/heads.py) read only h_t, so head 1 guesses x_{t+2} without knowing the
 root x_{t+1} the verifier has just drawn; at T = 1 the root is a draw from a broad
 distribution and that guess is mostly wrong (W3 heads: held-out top-1 0.21 for head 1).
 The drafter conditions every depth on the token drafted before it (EAGLE and Hydra do the

@@ -1,21 +1,21 @@
 """Building a rollout engine by name for CLIs, benchmarks and the trainer.
 
-The factory builds the speculative engine, so it lives at the top of spec/ (in rollout/ it
+The factory builds the speculative engine, so it lives at the top of speculative/ (in rollout/ it
 would import upward).
 """
 from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.spec.capacity import load_or_measure
-from specroll_jax.spec.engine import SpecEngine
-from specroll_jax.spec.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.spec.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.spec.heads import HeadsConfig, heads_metadata
-from specroll_jax.spec.tree import TreeConfig
+from specroll_jax.speculative.capacity import load_or_measure
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
+from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
+from specroll_jax.speculative.heads import HeadsConfig, heads_metadata
+from specroll_jax.speculative.tree import TreeConfig
 
 ENGINES = ('vanilla', 'specroll')
 # Drafting sources a speculative rollout can combine (rollout.proposers): the horizon heads
-# and continuations found in the GRPO group (spec/group_proposer.py).
+# and continuations found in the GRPO group (speculative/group_proposer.py).
 PROPOSERS = ('heads', 'group')
 
 

@@ -2,10 +2,10 @@
 
 Per response and step, the node budget is N_t = clip(C_hw // B_t, 1, N_max) (B_t = running
 responses); N_t = 1 is plain decoding. A batch bucket may instead have a sized width
-(`sized_widths`, chosen by spec.step_cost.size_trees from the measured price and tokens per
+(`sized_widths`, chosen by speculative.step_cost.size_trees from the measured price and tokens per
 step of each candidate width): its trees then have exactly that many nodes. The nodes are
 chosen from a proposer's candidates (edges with an estimated acceptance probability,
-spec/proposer.py): a path's score is the product of its edges' scores, i.e. the probability
+speculative/proposer.py): a path's score is the product of its edges' scores, i.e. the probability
 that the verifier accepts the whole path, so the expected accepted length of a tree is the
 sum of its nodes' path scores.
 Taking the N_t - 1 best paths in one total order maximises it and is prefix-closed,
@@ -19,7 +19,7 @@ import numpy as np
 from flax import struct
 
 from specroll_jax.rollout.buckets import pow2_at_least
-from specroll_jax.spec.proposer import Candidates
+from specroll_jax.speculative.proposer import Candidates
 
 # Separates a child from a parent of equal score; far below any meaningful score gap.
 _DEPTH_TIE_BREAK = 1e-4

@@ -1,0 +1,108 @@
+"""The heads' slow timescale between rollout batches: monitor + consolidation, or the
+always-online baseline. Reflex (the fast timescale) lives inside the engine's proposer."""
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import struct
+
+from specroll_jax.adapt import consolidation, monitor
+from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
+from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
+from specroll_jax.model.mesh import head_sharding, optimizer_sharding
+from specroll_jax.model.policy import Policy
+from specroll_jax.rl.sections import build
+from specroll_jax.speculative.heads import HeadsConfig
+
+# static: warm-started heads, never adapted; online: heads retrained on every batch (the
+# FastGRPO-like baseline); reflex / slow: one timescale; both: SpecRoll.
+ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
+
+
+@struct.dataclass
+class HeadsState:
+  params: dict           # the horizon heads, as the slow path has adapted them
+  opt_state: Any         # their optimizer state (consolidation.persistent_optimizer)
+  monitor: MonitorState  # the slow path's monitor
+
+
+def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Path):
+  """Heads self-distilled on the initial policy's own answers to the task prompts (token
+  ids; cached in workdir/heads); returns (heads config, params, directory)."""
+  h = c.heads
+  directory = workdir / 'heads'
+  prompts = task_prompts[:h.num_sequences + h.held_out]
+  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
+                   max_new_tokens=c.rollout.driver.max_new_tokens,
+                   temperature=c.rollout.sampler.temperature, seed=c.seed)
+  heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads),
+                                      DistillConfig(steps=h.steps, batch_size=h.batch_size),
+                                      prompts, plan, directory, str(source))
+  return heads_config, params, directory
+
+
+class HeadAdaptation:
+  """`observe` reads the rollout's verifier feedback before the GRPO update and decides which
+  heads to train; only then does the update harvest pairs (the harvest costs ~19% of a W1
+  update), so a slow-path step without a trigger pays nothing for the heads."""
+
+  def __init__(self, c, policy: Policy, heads_config: HeadsConfig, branching: tuple, proposer):
+    self.mode = c.adaptation.mode
+    self.monitor_config = build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
+    # The always-online baseline is tuned on its own (WORKSPACE_NOTES, issue 15).
+    section = 'online' if self.mode == 'online' else 'consolidation'
+    self.consolidation_config = build(ConsolidationConfig, c.adaptation[section],
+                                      f'adaptation.{section}')
+    self.branching = branching
+    self.policy_config, self.heads_config = policy.config, heads_config
+    self.proposer = proposer
+
+  @property
+  def harvests(self) -> bool:
+    return self.mode in ('online', 'slow', 'both')
+
+  def init_state(self, params, mesh) -> HeadsState:
+    config = self.consolidation_config
+    params = jax.device_put(params, head_sharding(mesh, params))
+    opt_state = consolidation.init_optimizer_state(config, params)
+    opt_state = jax.device_put(opt_state, optimizer_sharding(
+        mesh, consolidation.make_optimizer(config), opt_state, head_sharding(mesh, params)))
+    return HeadsState(params=params, opt_state=opt_state,
+                      monitor=MonitorState.init(self.monitor_config, len(self.branching)))
+
+  def observe(self, heads: HeadsState, responses):
+    """Returns (heads, triggered bool [num_heads], metrics) after one rollout batch."""
+    window = monitor.window_stats(
+        [self.proposer.head_stats(r.stats.proposer) for r in responses], self.branching)
+    metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
+               'head_regret': window.regret.round(4).tolist()}
+    triggered = np.zeros(self.heads_config.num_heads, bool)
+    if self.mode == 'online':
+      triggered[:] = True
+    elif self.harvests:
+      watch, observed = monitor.observe(self.monitor_config, heads.monitor, window)
+      triggered[:len(observed)] = observed
+      metrics['triggered'] = np.flatnonzero(observed).tolist()
+      heads = heads.replace(monitor=watch)
+    return heads, triggered, metrics
+
+  def consolidate(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
+    """Trains the triggered heads on the GRPO forward's harvest of the responses; `groups`
+    are the rows' prompt indices. The pairs come from the pre-update policy's forward, so
+    `policy_params` must be that policy's. Returns (heads, metrics)."""
+    result = consolidation.consolidate(self.heads_config, self.policy_config,
+                                       self.consolidation_config, heads.params, heads.opt_state,
+                                       policy_params, pairs, triggered, seed, groups=groups)
+    watch, metrics = heads.monitor, {}
+    if self.mode != 'online':
+      watched = len(self.branching)
+      watch = monitor.after_update(self.monitor_config, watch, triggered[:watched],
+                                   result.kept[:watched])
+      metrics['kept'] = np.flatnonzero(result.kept).tolist()
+    if result.kl_before is not None:
+      metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
+                     head_kl_after=result.kl_after.round(4).tolist())
+    heads = HeadsState(params=result.params, opt_state=result.opt_state, monitor=watch)
+    return jax.block_until_ready(heads), metrics

@@ -1,0 +1,54 @@
+"""A GRPO run's metrics: one JSON line per step in workdir/metrics.jsonl, built by one function."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specroll_jax.rl.resources import process_memory
+from specroll_jax.rl.rollouts import rollout_digest
+
+METRICS_FILE = 'metrics.jsonl'
+# Speculation's per-response reports that go into a step's line as they are.
+SUMMARY_PREFIXES = ('reflex_', 'group_')
+
+
+def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, update: dict,
+                 heads: dict, audit: dict, seconds: dict, compilations: int) -> dict:
+  """A step's line: rewards, the rollout (its summary from the engine and its digest), the
+  heads' adaptation, the audit, the update, each phase's seconds and the process's memory."""
+  return {'step': step, 'reward': float(scores.mean()),
+          'accuracy': float((scores == 1.0).mean()),
+          'response_length': summary['tokens'] / len(responses),
+          'tau': summary['tau'], 'acceptance_by_depth': summary.get('acceptance_by_depth'),
+          'tree_step_share': summary.get('tree_step_share'),
+          'rollout_digest': rollout_digest(responses),
+          **{k: v for k, v in summary.items() if k.startswith(SUMMARY_PREFIXES)},
+          **heads, **audit, **update,
+          **{f'time_{k}': v for k, v in seconds.items()},
+          'compilations': compilations, **process_memory()}
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+  """Drops metric lines after the restored step (written before an interruption), and a
+  last line a kill cut short (every complete line ends with a newline)."""
+  if path.exists():
+    lines = path.read_text().split('\n')[:-1]
+    keep = [line for line in lines if json.loads(line)['step'] <= last_step]
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(''.join(line + '\n' for line in keep))
+    tmp.replace(path)
+
+
+class MetricsLog:
+  """Appends step lines on the primary process; a resumed run first drops what the restored
+  checkpoint does not cover."""
+
+  def __init__(self, path: Path, restored_step: int, primary: bool):
+    self.path, self.primary = path, primary
+    if primary:
+      truncate_metrics(path, restored_step)
+
+  def append(self, row: dict) -> None:
+    if self.primary:
+      with self.path.open('a') as f:
+        f.write(json.dumps(row) + '\n')
