@@ -1,10 +1,11 @@
-"""Subpackages import only downward: model < rollout < speculative < adapt < tasks < rl."""
+"""Subpackages import only downward: model < rollout < speculative < adapt < tasks < rl <
+integrations."""
 import ast
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / 'specroll_jax'
-LAYERS = ('model', 'rollout', 'speculative', 'adapt', 'tasks', 'rl')
+LAYERS = ('model', 'rollout', 'speculative', 'adapt', 'tasks', 'rl', 'integrations')
 
 
 def imported_subpackages(source: str) -> set[str]:

@@ -1,0 +1,1 @@
+"""Adapters that offer this project's rollouts to other training libraries (optional extras)."""
