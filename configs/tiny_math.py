@@ -15,6 +15,7 @@ from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.model.mesh import MeshConfig
 from specroll_jax.rl.audit import AuditConfig
+from specroll_jax.rl.evaluation import EvaluationConfig
 from specroll_jax.rl.grpo import GRPOConfig
 from specroll_jax.rl.rollouts import DRIVER_DERIVED, TREE_DERIVED
 from specroll_jax.rl.sections import section
@@ -40,8 +41,12 @@ def get_config():
   # 64 easy tasks, cycled (4 steps per pass): GRPO raises the reward on them visibly
   # within the run (WORKSPACE_NOTES, "Main job"); the hard split and fresh tasks every
   # step showed no trend over 40 steps at any learning rate tried.
+  # reward: a rule of tasks.rewards.REWARD_RULES (strict reads '#### n' or a box).
   c.task = ml_collections.ConfigDict(dict(
-      source='synthetic:easy', count=64, data_dir='', split='', chat_template=False))
+      source='synthetic:easy', count=64, data_dir='', split='', chat_template=False,
+      reward='strict'))
+  # Held-out prompts the run never trains on, scored every `every` updates (0 = never).
+  c.evaluation = section(EvaluationConfig)
   # One subsection per dataclass the rollouts build (rl/rollouts.py); tree.capacity_tokens 0
   # = this model's profiled capacity (experiments.profile_capacity, cached).
   c.rollout = ml_collections.ConfigDict(dict(

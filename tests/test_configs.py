@@ -1,7 +1,8 @@
 """Every shipped config loads and is consistent with what the trainer will build."""
 import pytest
 
-from configs import bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper, tiny_math
+from configs import (bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper, smol_grpo,
+                     tiny_math)
 from configs.tiny_math import get_config
 from specroll_jax.rl.run import check_config
 from specroll_jax.rl.trainer import train
@@ -12,8 +13,9 @@ from tests.conftest import FIXTURE_DATA
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
 
-@pytest.mark.parametrize('config', [tiny_math.get_config()] + [paper.get_config(a) for a in PAPER_ARGS],
-                         ids=['tiny_math'] + PAPER_ARGS)
+@pytest.mark.parametrize('config', [tiny_math.get_config(), smol_grpo.get_config()] +
+                         [paper.get_config(a) for a in PAPER_ARGS],
+                         ids=['tiny_math', 'smol_grpo'] + PAPER_ARGS)
 def test_training_configs_are_consistent(config):
   rows = config.rollout.prompts_per_step * config.rollout.group_size
   assert rows % config.grpo.micro_batch_size == 0
@@ -32,6 +34,14 @@ def test_bad_sections_fail_before_any_policy_is_loaded(tmp_path):
   c = get_config()
   c.adaptation.reflex.step_sise = 2.0
   with pytest.raises(ValueError, match=r"adaptation.reflex: unknown field\(s\) \['step_sise'\]"):
+    check_config(c)
+  c = get_config()
+  c.task.reward = 'loose'
+  with pytest.raises(ValueError, match="task.reward must be one of"):
+    check_config(c)
+  c = get_config()
+  c.evaluation.samples = 0
+  with pytest.raises(ValueError, match='evaluation: every must be >= 0'):
     check_config(c)
   c = get_config()
   c.grpo.clip_epsilon_low = 1.5

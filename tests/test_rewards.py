@@ -170,3 +170,41 @@ def test_hung_worker_is_replaced(monkeypatch):
   assert time.monotonic() - start < 2
   monkeypatch.undo()
   assert _score_in_thread('\\boxed{\\frac{1}{2}}', '0.5', 'math') == 1.0
+
+
+QUESTION = 'Janet has 16 ducks and sells 3 of their eggs. How many eggs are left?'
+RULE_CASES = [
+    # (rule, completion, gold, reward)
+    ('strict', 'She has 16 - 3 = 13 left.\n#### 13', '13', 1.0),
+    ('strict', 'She has 16 - 3 = 13 left.', '13', 0.0),        # no '#### n': strict reads none
+    ('lenient', 'She has 16 - 3 = 13 left.', '13', 1.0),       # after the last '='
+    ('lenient', 'Work.\nThe answer is 13', '13', 1.0),
+    ('lenient', 'So she has 13 eggs left.', '13', 1.0),        # one number, not the question's
+    ('lenient', 'She sells 3 eggs a day.\nJanet has 16 ducks.', '16', 0.0),  # question restated
+    ('lenient', 'The answer is 13 or 14.', '13', 0.0),         # two candidate answers
+    ('lenient', 'It is 13.\nI am not sure.', '13', 0.0),       # the last line states nothing
+    ('lenient', 'She keeps $1,300 in the end.', '1300', 1.0),
+    ('lenient', 'Work.\n#### 12', '13', 0.0),                  # a strict answer is read first
+    ('lenient_format', 'Work.\n#### 12', '13', rewards.FORMAT_BONUS),  # wrong, in format
+    ('lenient_format', 'So she has 12 eggs left.', '13', 0.0),
+    ('lenient_format', 'So she has 13 eggs left.', '13', 1.0),
+    ('format', 'Work.\n#### 12', '13', 1.0),
+    ('format', 'So she has 13 eggs left.', '13', 0.0),
+]
+
+
+@pytest.mark.parametrize('rule,completion,gold,expected', RULE_CASES)
+def test_reward_rules(rule, completion, gold, expected):
+  assert rewards.reward(rule, completion, gold, 'gsm8k', QUESTION) == expected
+
+
+def test_lenient_reads_latex_tasks_strictly():
+  # math/dapo answers are LaTeX in a box: lenient reads them as strict does.
+  assert rewards.reward('lenient', 'so x = 1/2', '\\frac{1}{2}', 'math', 'Solve.') == 0.0
+  assert rewards.reward('lenient', 'so \\boxed{\\frac{1}{2}}', '\\frac{1}{2}', 'math',
+                        'Solve.') == 1.0
+
+
+def test_unknown_rule_is_named():
+  with pytest.raises(ValueError, match="unknown reward rule 'loose'"):
+    rewards.reward('loose', '#### 1', '1', 'gsm8k', '')

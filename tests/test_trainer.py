@@ -13,11 +13,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from configs import smol_grpo
 from configs.tiny_math import get_config
 from specroll_jax.rl.metrics import truncate_metrics
 from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
-from tests.conftest import REPO, STORIES
+from specroll_jax.tasks.rewards import REWARD_RULES
+from tests.conftest import FIXTURE_DATA, REPO, STORIES
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight
 # decay still moves the policy every step, so later rollouts come from changed weights.
@@ -180,3 +182,37 @@ def test_config_pointing_at_a_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_prompt_longer_than_the_model_allows_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
     train(_config(rollout__engine='vanilla', rollout__driver__max_new_tokens=480), tmp_path / 'run')
+
+
+def test_held_out_evaluation_is_scheduled_and_never_feeds_the_learner(tmp_path):
+  plain = {'steps': 3, 'rollout__engine': 'vanilla'}
+  train(_config(**plain), tmp_path / 'plain')
+  train(_config(**plain, evaluation__every=2, evaluation__count=4, evaluation__samples=2),
+        tmp_path / 'evaluated')
+  a, b = _metrics(tmp_path / 'plain'), _metrics(tmp_path / 'evaluated')
+  # The policies each step starts from after 0 and 2 updates: steps 1 and 3.
+  assert [m.get('heldout_updates') for m in b] == [0, None, 2]
+  assert all(0.0 <= m['heldout_accuracy'] <= m['heldout_reward'] <= 1.0 for m in b[::2])
+  assert [m['rollout_digest'] for m in a] == [m['rollout_digest'] for m in b]
+  for x, y in zip(_final_params(tmp_path / 'plain'), _final_params(tmp_path / 'evaluated')):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_real_model_job_runs_its_code_path_on_a_tiny_model(tmp_path):
+  # configs/smol_grpo.py as it runs on SmolLM2 (GSM8K chat prompts, format reward, group
+  # drafts, held-out GSM8K test questions), with stories260K and the fixture GSM8K instead.
+  c = smol_grpo.get_config()
+  for key, value in {**SMALL, 'steps': 2, 'task.data_dir': str(FIXTURE_DATA),
+                     'task.chat_template': False, 'evaluation.every': 1,
+                     'evaluation.count': 2}.items():
+    *path, leaf = key.split('.')
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  (tmp_path / STEP_COSTS_FILE).write_text(json.dumps([[16, 0.5]]))
+  train(c, tmp_path)
+  rows = _metrics(tmp_path)
+  assert [m['heldout_updates'] for m in rows] == [0, 1]
+  assert all(f'heldout_{rule}' in rows[0] for rule in REWARD_RULES)
+  assert all(m['tree_step_share'] > 0 for m in rows)  # group drafts verified in trees

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specroll_jax.rl.phases import PhaseTimer
 from specroll_jax.rl.resources import process_memory
 from specroll_jax.rl.rollouts import rollout_digest
 
@@ -13,9 +14,10 @@ SUMMARY_PREFIXES = ('reflex_', 'group_')
 
 
 def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, update: dict,
-                 heads: dict, audit: dict, seconds: dict, compilations: int) -> dict:
+                 heads: dict, checks: dict, timer: PhaseTimer) -> dict:
   """A step's line: rewards, the rollout (its summary from the engine and its digest), the
-  heads' adaptation, the audit, the update, each phase's seconds and the process's memory."""
+  heads' adaptation, the checks (audit, held-out evaluation), the update, each phase's
+  seconds, the step's compilations and the process's memory."""
   return {'step': step, 'reward': float(scores.mean()),
           'accuracy': float((scores == 1.0).mean()),
           'response_length': summary['tokens'] / len(responses),
@@ -23,9 +25,9 @@ def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, update
           'tree_step_share': summary.get('tree_step_share'),
           'rollout_digest': rollout_digest(responses),
           **{k: v for k, v in summary.items() if k.startswith(SUMMARY_PREFIXES)},
-          **heads, **audit, **update,
-          **{f'time_{k}': v for k, v in seconds.items()},
-          'compilations': compilations, **process_memory()}
+          **heads, **checks, **update,
+          **{f'time_{k}': v for k, v in timer.seconds.items()},
+          'compilations': timer.compilations(), **process_memory()}
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -8,7 +8,8 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
-TIME_KEYS = ('rollout', 'audit', 'reward', 'logprobs', 'update', 'head_update')
+HELD_OUT_SUMMARY = ('heldout_updates', 'heldout_reward', 'heldout_accuracy')
+TIME_KEYS = ('rollout', 'audit', 'evaluation', 'reward', 'logprobs', 'update', 'head_update')
 
 
 def _window_mean(rows, key, window):
@@ -37,7 +38,23 @@ def _audit_lines(audits) -> list[str]:
   return lines + ['']
 
 
-def write_report(workdir, window: int = 5) -> Path:
+def _held_out_lines(evaluations, reward_rule: str) -> list[str]:
+  if not evaluations:
+    return []
+  rules = sorted(k[len('heldout_'):] for k in evaluations[0]
+                 if k.startswith('heldout_') and k not in HELD_OUT_SUMMARY)
+  lines = ['## Held-out evaluation (prompts the run never trains on)', '',
+           f'Accuracy is reward 1.0 under the run\'s rule ({reward_rule}); every rule\'s mean '
+           'reward on the same samples:', '',
+           '| updates | accuracy | ' + ' | '.join(rules) + ' |',
+           '|---:|---:|' + '---:|' * len(rules)]
+  lines += [f"| {e['heldout_updates']} | {e['heldout_accuracy']:.3f} | " +
+            ' | '.join(f"{e['heldout_' + rule]:.3f}" for rule in rules) + ' |'
+            for e in evaluations]
+  return lines + ['']
+
+
+def write_report(workdir, window: int = 5, reward_rule: str = 'strict') -> Path:
   """report.md and its plots; rewards and accuracy are compared between the first and the
   last `window` steps."""
   workdir = Path(workdir)
@@ -45,9 +62,14 @@ def write_report(workdir, window: int = 5) -> Path:
           if line]
   steps = [r['step'] for r in rows]
   audits = [r for r in rows if 'audit_speedup' in r]
+  evaluations = [r for r in rows if 'heldout_updates' in r]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
   ax1.plot(steps, [r['reward'] for r in rows], label='reward')
   ax1.plot(steps, [r['accuracy'] for r in rows], label='accuracy')
+  if evaluations:
+    # The policy after k updates is the one step k + 1 starts from.
+    ax1.plot([e['heldout_updates'] + 1 for e in evaluations],
+             [e['heldout_accuracy'] for e in evaluations], 'o-', label='held-out accuracy')
   ax1.set(xlabel='GRPO step', ylabel='mean over rollouts')
   ax1.legend()
   ax2.plot(steps, [r['tau'] for r in rows], color='C2', label='tau (tokens / policy forward)')
@@ -70,10 +92,11 @@ def write_report(workdir, window: int = 5) -> Path:
   first, last = _window_mean(rows, 'reward', window)
   acc_first, acc_last = _window_mean(rows, 'accuracy', window)
   lines = ['# GRPO run report', '',
-           f'{len(rows)} steps. Mean reward over the first / last {window} steps: '
+           f'{len(rows)} steps, reward rule {reward_rule}. Mean reward over the first / last '
+           f'{window} steps: '
            f'{first:.3f} -> {last:.3f} ({last - first:+.3f}); accuracy {acc_first:.3f} -> '
            f'{acc_last:.3f}; mean tau {sum(r["tau"] for r in rows) / len(rows):.2f}.', '',
-           *_audit_lines(audits),
+           *_held_out_lines(evaluations, reward_rule), *_audit_lines(audits),
            '## Time', '', '| phase | seconds | share |', '|---|---:|---:|']
   total = sum(totals.values()) or 1.0
   lines += [f'| {k} | {v:.1f} | {v / total:.1%} |' for k, v in totals.items()]

@@ -119,8 +119,9 @@ class Rollouts:
                                                                        'rollout.gate'))
     self.driver = Driver(self.engine, driver_config(c, prompt_width))
 
-  def generate(self, policy_params, head_params, prompts, seed):
-    params = self.engine.params(policy_params, head_params)
+  def generate(self, policy_params, heads, prompts, seed):
+    """Responses to `prompts` x group_size; `heads` is the HeadsState (None: no heads)."""
+    params = self.engine.params(policy_params, heads and heads.params)
     if self.unpriced:
       self._price_gate(params, prompts)
       self.unpriced = False

@@ -20,6 +20,7 @@ from specroll_jax.model.mesh import AXES, ROWS, MeshConfig, axis_size, make_mesh
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, memory
 from specroll_jax.rl.audit import Audit, AuditConfig
+from specroll_jax.rl.evaluation import EvaluationConfig, HeldOutEvaluation, held_out_tasks
 from specroll_jax.rl.head_adaptation import ADAPTATION_MODES, HeadAdaptation, warm_start_heads
 from specroll_jax.rl.learner import Learner, TrainState, grpo_config
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
@@ -31,6 +32,7 @@ from specroll_jax.speculative.factory import ENGINES, parse_proposers
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.tasks.default_policy import ensure_default_policy
+from specroll_jax.tasks.rewards import REWARD_RULES
 from specroll_jax.tasks.sources import load_tasks
 
 STEP_COSTS_FILE = 'step_costs.json'  # the speculation gate's prices, measured on the first batch
@@ -62,6 +64,9 @@ def check_config(c) -> None:
   build(GroupDraftConfig, c.rollout.group, 'rollout.group')
   build(GateConfig, c.rollout.gate, 'rollout.gate')
   build(AuditConfig, c.audit, 'audit')
+  build(EvaluationConfig, c.evaluation, 'evaluation')
+  if c.task.reward not in REWARD_RULES:
+    raise ValueError(f'config task.reward must be one of {REWARD_RULES}, got {c.task.reward!r}')
   mesh = build(MeshConfig, c.mesh, 'mesh')
   rows_split = axis_size(dict(zip(AXES, mesh.shape(jax.device_count()))), ROWS)
   for name, value in (('rollout.driver.max_batch', driver.max_batch),
@@ -93,6 +98,7 @@ class Run:
   task_prompts: list          # their prompt token ids, encoded once
   rollouts: Rollouts
   audit: Audit
+  evaluation: HeldOutEvaluation      # held-out prompts, never trained on
   adaptation: HeadAdaptation | None  # None when no heads draft
   learner: Learner
   checkpoints: ocp.CheckpointManager
@@ -129,7 +135,10 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
     heads_config, heads, heads_dir = distributed.primary_first(
         'heads', lambda: warm_start_heads(policy, c, task_prompts, workdir, policy_dir))
   mesh = make_mesh(build(MeshConfig, c.mesh, 'mesh'))
-  prompt_width = run_prompt_width(task_prompts)
+  evaluation_config = build(EvaluationConfig, c.evaluation, 'evaluation')
+  held_out = held_out_tasks(evaluation_config, c, tasks) if evaluation_config.every else []
+  held_out_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in held_out]
+  prompt_width = run_prompt_width(task_prompts + held_out_prompts)
   width = prompt_width + c.rollout.driver.max_new_tokens
   report = memory.report(policy.config, memory.Workload.from_config(c, width, heads_config),
                          dict(mesh.shape))
@@ -139,6 +148,8 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
                       workdir / STEP_COSTS_FILE)
   audit = Audit(policy, build(AuditConfig, c.audit, 'audit'), sampler_config(c),
                 rollouts.driver.config, c.rollout.group_size, mesh)
+  evaluation = HeldOutEvaluation(evaluation_config, policy, held_out, held_out_prompts,
+                                 sampler_config(c), rollouts.driver.config, c.task.reward, mesh)
   adaptation = None
   if heads is not None:
     adaptation = HeadAdaptation(c, policy, heads_config, head_draft_config(c).branching,
@@ -153,7 +164,8 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
     if primary:
       print(f'resumed from step {int(state.step)}', file=sys.stderr)
   run = Run(config=c, workdir=workdir, primary=primary, policy=policy, tasks=tasks,
-            task_prompts=task_prompts, rollouts=rollouts, audit=audit, adaptation=adaptation,
+            task_prompts=task_prompts, rollouts=rollouts, audit=audit, evaluation=evaluation,
+            adaptation=adaptation,
             learner=learner, checkpoints=checkpoints,
             metrics=MetricsLog(workdir / METRICS_FILE, int(state.step), primary))
   return run, state

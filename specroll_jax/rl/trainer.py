@@ -7,10 +7,8 @@ uninterrupted one would have.
 """
 import sys
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from specroll_jax.rl.learner import TrainState
@@ -20,8 +18,7 @@ from specroll_jax.rl.report import write_report
 from specroll_jax.rl.rollouts import step_seed
 from specroll_jax.rl.run import Run, make_run
 from specroll_jax.rl.schedule import due
-from specroll_jax.rollout.compilation import compilations_so_far
-from specroll_jax.tasks import rewards
+from specroll_jax.rl.scoring import scored
 
 
 def train(c, workdir) -> dict:
@@ -38,25 +35,27 @@ def train(c, workdir) -> dict:
   if run.primary:
     # Whole passes over the task list, so both windows hold the same prompts when it cycles.
     steps_per_pass = -(-len(run.tasks) // c.rollout.prompts_per_step)
-    write_report(run.workdir, window=max(1, min(steps_per_pass, c.steps // 4)))
+    write_report(run.workdir, window=max(1, min(steps_per_pass, c.steps // 4)),
+                 reward_rule=c.task.reward)
   return metrics
 
 
 def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
   """One GRPO step, phase by phase; returns the next state and the step's metrics line."""
-  c, number, compiled_before = run.config, int(state.step) + 1, compilations_so_far()
+  c, number, checks = run.config, int(state.step) + 1, {}
   seed, timer = step_seed(c, int(state.step)), PhaseTimer(number)
   tasks, prompts = run.step_tasks(int(state.data_position))
   policy_params = run.learner.rollout_params(state)
+  if run.evaluation.due(int(state.step)):
+    with timer('evaluation'):
+      checks.update(run.evaluation(policy_params, int(state.step)))
   with timer('rollout'):
-    responses = run.rollouts.generate(policy_params, state.heads and state.heads.params,
-                                      prompts, seed)
-  audited = {}
+    responses = run.rollouts.generate(policy_params, state.heads, prompts, seed)
   if run.audit.due(number):
     with timer('audit'):
-      audited = run.audit(policy_params, prompts, seed, responses, timer.seconds['rollout'])
+      checks.update(run.audit(policy_params, prompts, seed, responses, timer.seconds['rollout']))
   with timer('reward'):
-    scores = scored(tasks, responses, run.policy.tokenizer)
+    scores = scored(c.task.reward, tasks, responses, run.policy.tokenizer)
   with timer('logprobs'):
     batch = run.learner.batch(prompts, responses, scores)
   heads, triggered, head_metrics = state.heads, np.zeros(0, bool), {}
@@ -75,24 +74,9 @@ def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
   state = updated.replace(step=number, heads=heads,
                           data_position=run.next_position(int(state.data_position)))
   metrics = step_metrics(number, scores, responses, run.rollouts.engine.summarize(responses),
-                         update, head_metrics, audited, timer.seconds,
-                         compilations_so_far() - compiled_before)
+                         update, head_metrics, checks, timer)
   run.metrics.append(metrics)
   if due(c.checkpoint_every, number) or number == c.steps:
     with timer('checkpoint'):
       run.checkpoints.save(number, args=ocp.args.StandardSave(state))
   return state, metrics
-
-
-def scored(tasks, responses, tokenizer) -> np.ndarray:
-  """Rewards of every response (`tasks`: the step's, one per prompt), each process scoring
-  its own block of the prompts (its share of the answer checks), gathered so every process
-  holds them all."""
-  share = len(tasks) // jax.process_count()
-  mine = range(jax.process_index() * share, (jax.process_index() + 1) * share)
-  scores = np.array([rewards.score(tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                                   tasks[r.prompt_index].answer, tasks[r.prompt_index].kind)
-                     for r in responses if r.prompt_index in mine], np.float32)
-  if jax.process_count() == 1:
-    return scores
-  return np.asarray(multihost_utils.process_allgather(scores)).reshape(-1)

@@ -120,6 +120,78 @@ def score(completion: str, answer: str, kind: str) -> float:
   return float(_latex_equivalent_in_worker(predicted, answer))
 
 
+# Reward rules a GRPO run can use (config task.reward). Each returns a float in [0, 1];
+# exactly 1.0 means a correct answer (the trainer's accuracy).
+REWARD_RULES = ('strict', 'lenient', 'lenient_format', 'format')
+# What a wrong answer in the asked-for format earns under lenient_format: enough to tell
+# GRPO's groups apart when no sample is right, far below a correct answer.
+FORMAT_BONUS = 0.1
+# Where a final line states its answer: after the last '=' or an "answer is/:" phrase.
+_ANSWER_CUE = re.compile(r'=|\banswer\s*(?:is|:)', re.IGNORECASE)
+
+
+def lenient_answer(completion: str, question: str) -> str | None:
+  """The number a lenient grader reads from a gsm8k completion that skipped the '#### n'
+  format: the one number stated at the end of its last non-empty line.
+
+  On that line, after its last '=' or "answer is"/"answer:" when it has one, there must be
+  exactly one distinct number (two candidates, "5 or 6", are no answer); without such a cue,
+  a number that also appears in the question is read as the question restated, not answered.
+  A '#### n' or boxed answer, when present, is read as `extract_answer` reads it.
+  """
+  strict = extract_answer(completion, 'gsm8k')
+  if strict is not None:
+    return strict
+  lines = [line for line in completion.splitlines() if line.strip()]
+  if not lines:
+    return None
+  cues = list(_ANSWER_CUE.finditer(lines[-1]))
+  segment = lines[-1][cues[-1].end():] if cues else lines[-1]
+  numbers = _numbers(segment)
+  if len(numbers) != 1:
+    return None
+  (number,) = numbers
+  if not cues and number in _numbers(question):
+    return None
+  return str(number)
+
+
+def _numbers(text: str) -> set[Fraction]:
+  """The distinct numeric values in text (thousands commas, $ and % ignored)."""
+  text = _THOUSANDS_COMMA.sub('', re.sub(r'\\?[$%]', '', text.replace('\u2212', '-')))
+  values = set()
+  for match in _NUMBER.finditer(text):
+    try:
+      values.add(Fraction(match.group(0).rstrip('.')))
+    except (ValueError, ZeroDivisionError):
+      continue
+  return values
+
+
+def reward(rule: str, completion: str, answer: str, kind: str, question: str) -> float:
+  """The reward of `completion` under `rule` (REWARD_RULES); `question` is the prompt text.
+
+  strict: `score` (the '#### n' or boxed answer equals the gold one). lenient: gsm8k answers
+  read by `lenient_answer`, math/dapo as strict (their answers are LaTeX in a box).
+  lenient_format: lenient, plus FORMAT_BONUS for a wrong answer given in the asked-for format.
+  format: 1.0 for any answer in the asked-for format, right or wrong (a format-only signal).
+  """
+  if rule not in REWARD_RULES:
+    raise ValueError(f'unknown reward rule {rule!r}; expected one of {REWARD_RULES}')
+  formatted = extract_answer(completion, kind) is not None
+  if rule == 'format':
+    return float(formatted)
+  if rule == 'strict' or kind != 'gsm8k':
+    correct = score(completion, answer, kind)
+  else:
+    predicted = lenient_answer(completion, question)
+    correct = float(predicted is not None and Fraction(predicted) == Fraction(
+        extract_answer(answer, kind) if '####' in answer else _gsm8k_number(answer)))
+  if rule == 'lenient_format' and not correct and formatted:
+    return FORMAT_BONUS
+  return correct
+
+
 def _check_kind(kind: str) -> None:
   if kind not in KINDS:
     raise ValueError(f'unknown reward kind {kind!r}; expected one of {KINDS}')
