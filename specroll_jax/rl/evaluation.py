@@ -65,11 +65,11 @@ class HeldOutEvaluation:
   def __call__(self, policy_params, updates: int) -> dict:
     responses = self.driver.generate(self.driver.engine.params(policy_params), self.prompts,
                                      self.config.samples, self.config.seed)
-    scores = scored(self.rule, self.tasks, responses, self.tokenizer)
-    # Every rule's mean too: a run trained on one rule shows what happened to the others
-    # (e.g. whether answers got right while the format was being learned).
-    by_rule = {f'heldout_{rule}': float(np.mean(scored(rule, self.tasks, responses,
-                                                       self.tokenizer)))
+    # Every rule's mean, not only the run's: a run trained on one rule shows what happened
+    # to the others (e.g. whether answers got right while the format was being learned).
+    by_rule = {rule: scored(rule, self.tasks, responses, self.tokenizer)
                for rule in REWARD_RULES}
+    scores = by_rule[self.rule]
     return {'heldout_updates': updates, 'heldout_reward': float(np.mean(scores)),
-            'heldout_accuracy': float(np.mean(scores == 1.0)), **by_rule}
+            'heldout_accuracy': float(np.mean(scores == 1.0)),
+            **{f'heldout_{rule}': float(np.mean(s)) for rule, s in by_rule.items()}}

@@ -24,9 +24,8 @@ from specroll_jax.rl.evaluation import EvaluationConfig, HeldOutEvaluation, held
 from specroll_jax.rl.head_adaptation import ADAPTATION_MODES, HeadAdaptation, warm_start_heads
 from specroll_jax.rl.learner import Learner, TrainState, grpo_config
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
-from specroll_jax.rl.rollouts import (DRIVER_DERIVED, Rollouts, check_tree_section,
-                                      driver_config, head_draft_config, run_prompt_width,
-                                      sampler_config)
+from specroll_jax.rl.rollouts import (Rollouts, check_tree_section, driver_config,
+                                      head_draft_config, run_prompt_width, sampler_config)
 from specroll_jax.rl.sections import build
 from specroll_jax.speculative.factory import ENGINES, parse_proposers
 from specroll_jax.speculative.gate import GateConfig
@@ -51,10 +50,6 @@ def check_config(c) -> None:
   build(ConsolidationConfig, c.adaptation.online, 'adaptation.online')
   grpo_config(c, c.adaptation.harvest_top_k)
   sampler_config(c)
-  for derived in DRIVER_DERIVED:
-    if derived in c.rollout.driver:
-      raise ValueError(f'config rollout.driver.{derived} is derived from the task prompts '
-                       '(every batch has the run\'s one prompt width); remove it')
   driver = driver_config(c, prompt_width=16)
   check_tree_section(c)
   head_draft_config(c)

@@ -31,4 +31,7 @@ def build(cls, config_section, name: str, **derived):
   unknown = sorted(set(values) - fields)
   if unknown:
     raise ValueError(f'config {name}: unknown field(s) {unknown} (valid: {sorted(fields)})')
+  clash = sorted(set(values) & set(derived))
+  if clash:
+    raise ValueError(f'config {name}: field(s) {clash} are derived by the trainer; remove them')
   return cls(**values, **derived)

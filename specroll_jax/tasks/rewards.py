@@ -109,10 +109,7 @@ def score(completion: str, answer: str, kind: str) -> float:
   """
   predicted = extract_answer(completion, kind)
   if kind == 'gsm8k':
-    gold = extract_answer(answer, kind) if '####' in answer else _gsm8k_number(answer)
-    if gold is None:
-      raise ValueError(f'gsm8k gold answer has no number: {answer!r}')
-    return float(predicted is not None and Fraction(predicted) == Fraction(gold))
+    return _gsm8k_equal(predicted, answer)
   if predicted is None:
     return 0.0
   if threading.current_thread() is threading.main_thread():
@@ -184,12 +181,19 @@ def reward(rule: str, completion: str, answer: str, kind: str, question: str) ->
   if rule == 'strict' or kind != 'gsm8k':
     correct = score(completion, answer, kind)
   else:
-    predicted = lenient_answer(completion, question)
-    correct = float(predicted is not None and Fraction(predicted) == Fraction(
-        extract_answer(answer, kind) if '####' in answer else _gsm8k_number(answer)))
+    correct = _gsm8k_equal(lenient_answer(completion, question), answer)
   if rule == 'lenient_format' and not correct and formatted:
     return FORMAT_BONUS
   return correct
+
+
+def _gsm8k_equal(predicted: str | None, answer: str) -> float:
+  """1.0 if the predicted number equals the gsm8k gold answer (a bare number or a solution
+  ending in '#### n'), else 0.0."""
+  gold = extract_answer(answer, 'gsm8k') if '####' in answer else _gsm8k_number(answer)
+  if gold is None:
+    raise ValueError(f'gsm8k gold answer has no number: {answer!r}')
+  return float(predicted is not None and Fraction(predicted) == Fraction(gold))
 
 
 def _check_kind(kind: str) -> None:
