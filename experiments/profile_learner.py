@@ -8,9 +8,12 @@ step's FLOPs come from XLA's cost analysis of one micro-batch's loss gradient (f
 backward, attention and the vocabulary projection included) times the number of
 micro-batches: the step runs them under lax.scan, and XLA's analysis of a loop counts its
 body once. The optimizer's elementwise update is left out. The roof is the rate of one large
-float32 matmul on the same backend.
+float32 matmul on the same backend. Memory: XLA's temporary buffers of the compiled step
+(what its activations, logits and gradients need beyond the arguments and outputs), and the
+process's peak resident set.
 """
 import json
+import resource
 import statistics
 import sys
 import time
@@ -104,14 +107,19 @@ def main(argv):
   seconds = timed(lambda: compiled(policy.params, opt_state, batch), FLAGS.repeats)
   roof = matmul_rate(FLAGS.matmul_size, FLAGS.repeats)
   num_params = sum(x.size for x in jax.tree.leaves(policy.params))
+  memory = compiled.memory_analysis()
   result = {
       'command': ' '.join(['python -m experiments.profile_learner'] + sys.argv[1:]),
       'backend': jax.default_backend(), 'rows': int(batch.tokens.shape[0]),
       'width': int(batch.tokens.shape[1]), 'micro_batch_size': config.micro_batch_size,
-      'harvest_top_k': config.harvest_top_k, 'policy_parameters': int(num_params),
+      'harvest_top_k': config.harvest_top_k, 'stream_logits': config.stream_logits,
+      'policy_parameters': int(num_params),
       'step_seconds': seconds, 'step_gflop': step_flops / 1e9,
       'step_gflop_per_s': step_flops / seconds / 1e9,
       'matmul_gflop_per_s': roof / 1e9, 'fraction_of_matmul_rate': step_flops / seconds / roof,
+      'temp_mib': memory.temp_size_in_bytes / 2**20,
+      # Linux reports ru_maxrss in KiB.
+      'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
   }
   out = Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -119,11 +127,13 @@ def main(argv):
   (out / 'README.md').write_text(
       f"# GRPO learner step (profile_learner)\n\nCommand: `{result['command']}` "
       f"(backend {result['backend']})\n\n"
-      '| rows x width | parameters | step s | GFLOP (XLA) | GFLOP/s | matmul GFLOP/s | share |\n'
-      '|---|---:|---:|---:|---:|---:|---:|\n'
-      f"| {result['rows']} x {result['width']} | {num_params:,} | {seconds:.3f} | "
-      f"{result['step_gflop']:.2f} | {result['step_gflop_per_s']:.1f} | "
-      f"{result['matmul_gflop_per_s']:.1f} | {result['fraction_of_matmul_rate']:.1%} |\n")
+      '| rows x width | streamed logits | parameters | step s | GFLOP (XLA) | GFLOP/s | '
+      'matmul GFLOP/s | share | temp MiB | peak RSS MiB |\n'
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n'
+      f"| {result['rows']} x {result['width']} | {config.stream_logits} | {num_params:,} | "
+      f"{seconds:.3f} | {result['step_gflop']:.2f} | {result['step_gflop_per_s']:.1f} | "
+      f"{result['matmul_gflop_per_s']:.1f} | {result['fraction_of_matmul_rate']:.1%} | "
+      f"{result['temp_mib']:.0f} | {result['peak_rss_mib']:.0f} |\n")
   print(json.dumps(result, indent=2))
 
 

@@ -13,6 +13,8 @@ def test_notebook_executes(path, monkeypatch):
   # The kernel sees one host device, as a user's one-CPU session does (the suite forces 8,
   # and configs/tiny_math.py's mesh would split rows over all of them).
   monkeypatch.setenv('XLA_FLAGS', '')
+  # Every cell, at the smaller sizes a notebook offers for this run.
+  monkeypatch.setenv('SPECROLL_NOTEBOOK_QUICK', '1')
   notebook = nbformat.read(path, as_version=4)
   NotebookClient(notebook, timeout=900, kernel_name='python3',
                  resources={'metadata': {'path': str(path.parent)}}).execute()

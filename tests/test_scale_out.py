@@ -98,7 +98,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _processes(workdir, cache, kill_at=None):
+def _processes(workdir, kill_at=None):
   """Runs the job as 2 processes of 4 host devices each; with kill_at=(step, phase),
   SIGKILLs both once process 0 logs it. Returns the processes' return codes.
 
@@ -106,10 +106,9 @@ def _processes(workdir, cache, kill_at=None):
   its stderr stalls the other in their next collective.
   """
   port = _free_port()
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
-         'JAX_COMPILATION_CACHE_DIR': str(cache),
-         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-         'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+  # The session's compilation cache (conftest): the relaunch loads what the first launch
+  # compiled.
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}
   overrides = {**SMALL, **SCALE, **MULTI_PROCESS}
   logs = [workdir.with_name(f'{workdir.name}_process_{i}.log') for i in range(2)]
   processes = []
@@ -150,11 +149,11 @@ MULTI_PROCESS = {**SHARDED, 'rollout.engine': 'vanilla'}
 
 def test_two_processes_killed_and_resumed_equal_one_process(tmp_path):
   _run(tmp_path / 'one_process', **MULTI_PROCESS)
-  cache, killed = tmp_path / 'xla_cache', tmp_path / 'two'
+  killed = tmp_path / 'two'
   killed.mkdir()
-  assert _processes(killed, cache, kill_at=(2, 'update')) == [-signal.SIGKILL] * 2
+  assert _processes(killed, kill_at=(2, 'update')) == [-signal.SIGKILL] * 2
   # Step 1's checkpoint is complete, so the relaunch resumes rather than starts over.
   assert ocp.CheckpointManager((killed / 'checkpoints').resolve()).latest_step() == 1
-  _processes(killed, cache)
+  _processes(killed)
   _same_results(_metrics(killed), _metrics(tmp_path / 'one_process'))
   _close(_restored(killed)['policy'], _restored(tmp_path / 'one_process')['policy'], 1e-4, 2)

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rl import lora
 from specroll_jax.speculative.pairs import HeadPairs, span_positions, take_positions, top_targets
 
@@ -64,6 +65,12 @@ class GRPOConfig:
   lora_rank: int = 0
   lora_alpha: float = 32.0
   lora_targets: str = lora.DEFAULT_TARGETS
+  # True: the loss projects onto the vocabulary a chunk of positions at a time, and again
+  # in the backward pass (`next_token_scores`): memory for one more projection's time.
+  stream_logits: bool = False
+  # True: the backward pass runs each decoder layer again instead of keeping its
+  # activations (Transformer.rematerialize_layers): memory for one more forward's time.
+  rematerialize_layers: bool = False
 
   @property
   def lora_scale(self) -> float:
@@ -161,8 +168,34 @@ def batch_from_rollouts(prompts: list[list[int]], responses: list[list[int]],
                       old_logprobs=jnp.asarray(old), advantages=jnp.asarray(advantages))
 
 
+def next_token_scores(config: ModelConfig, params, hidden, targets, scale: float,
+                      stream: bool = False):
+  """log softmax(logits / scale) at `targets` and that law's entropy (no gradient), [B, S]
+  each, from hidden [B, S, D] and targets int32 [B, S].
+
+  stream: project a chunk of positions at a time and again in the backward pass
+  (`vocab_chunks.map_projected`), so at most one chunk's logits, log-softmax and gradient
+  are live; every position's at once are several copies of 0.1 GB per row of 540 positions
+  at V = 49,152. The cost is one more projection per position.
+  """
+  def scores(logits, y):
+    logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
+    logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
+    law = jax.lax.stop_gradient(logp_all)
+    return logp, -jnp.sum(jnp.exp(law) * law, axis=-1)
+
+  if not stream:
+    return scores(Transformer(config).apply({'params': params}, hidden,
+                                            method=Transformer.project), targets)
+  rows, length = targets.shape
+  flat = lambda x: x.reshape(rows * length, *x.shape[2:])
+  logp, entropy = map_projected(config, params, flat(hidden), scores, flat(targets))
+  return logp.reshape(rows, length), entropy.reshape(rows, length)
+
+
 def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
-                    harvest_top_k: int = 0, harvest_span: int = 0, harvest_starts=None):
+                    harvest_top_k: int = 0, harvest_span: int = 0, harvest_starts=None,
+                    stream_logits: bool = False, rematerialize_layers: bool = False):
   """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
   and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
   (hidden states and the policy's top-K next-token distribution; else None): over whole
@@ -172,14 +205,11 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
   Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
   softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
   """
-  hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
-  # The last position predicts nothing in the batch, so it is never projected.
-  logits = Transformer(config).apply({'params': params}, hidden[:, :-1],
-                                     method=Transformer.project)
+  hidden, safe, valid = padded_sequence_hidden(config, params, tokens, rematerialize_layers)
   scale = 1.0 if temperature == 0 else temperature
-  logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
-  logp = jnp.take_along_axis(logp_all, safe[:, 1:, None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  # The last position predicts nothing in the batch, so it is never projected.
+  logp, entropy = next_token_scores(config, params, hidden[:, :-1], safe[:, 1:], scale,
+                                    stream_logits)
   shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)
   pairs = None
   if harvest_top_k:
@@ -188,21 +218,26 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
                      span_positions(jnp.zeros(tokens.shape[0], jnp.int32), width, width))
     take = lambda x: take_positions(x, index)
     # The last position is never projected; heads never read its target (the horizon is
-    # past the row), so it takes the one before's.
-    span_logits = take_positions(logits, jnp.minimum(index, width - 2))
+    # past the row), so it takes the one before's. Only the span's positions are projected.
+    span_hidden = jax.lax.stop_gradient(take_positions(hidden, jnp.minimum(index, width - 2)))
+    span_logits = Transformer(config).apply({'params': params}, span_hidden,
+                                            method=Transformer.project)
     ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
     pairs = HeadPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
                       target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)
   return shift(logp), shift(entropy), pairs
 
 
-@partial(jax.jit, static_argnums=(0, 3))
-def token_logprobs(config: ModelConfig, params, tokens, temperature: float) -> jax.Array:
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def token_logprobs(config: ModelConfig, params, tokens, temperature: float,
+                   stream_logits: bool = False) -> jax.Array:
   """float32 [B, T]: index t holds log pi(tokens[:, t] | tokens[:, :t]) (0 at t=0, padding).
 
   tokens: int32 [B, T] right padded with -1; the same scaling as the rollout log-probs.
+  stream_logits as in GRPOConfig (this pass has every row of the batch at once).
   """
-  return _scored_forward(config, params, tokens, temperature)[0]
+  return _scored_forward(config, params, tokens, temperature,
+                         stream_logits=stream_logits)[0]
 
 
 def loss_weights(aggregation: str, response_mask) -> jax.Array:
@@ -278,7 +313,9 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
   starts = jnp.maximum(jnp.argmax(batch.response_mask, axis=1) - 1, 0)
   logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
                                              batch.tokens, config.temperature,
-                                             config.harvest_top_k, config.harvest_span, starts)
+                                             config.harvest_top_k, config.harvest_span, starts,
+                                             config.stream_logits,
+                                             config.rematerialize_layers)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))

@@ -84,7 +84,8 @@ class Learner:
     batch = jax.tree.map(lambda x: put_rows(self.mesh, x), batch)
     if self.reference is not None:
       batch = batch.replace(ref_logprobs=grpo.token_logprobs(
-          self.model_config, self.reference, batch.tokens, self.config.temperature))
+          self.model_config, self.reference, batch.tokens, self.config.temperature,
+          self.config.stream_logits))
     return jax.block_until_ready(batch)
 
   def update(self, state: TrainState, batch: grpo.RolloutBatch, harvest: bool):
@@ -110,6 +111,6 @@ class Learner:
     current, initial, mask = to_host((
         batch.old_logprobs,
         grpo.token_logprobs(self.model_config, self.initial_policy, batch.tokens,
-                            self.config.temperature),
+                            self.config.temperature, self.config.stream_logits),
         batch.response_mask))
     return float(np.sum(np.where(mask, current - initial, 0.0)) / max(mask.sum(), 1))

@@ -4,9 +4,10 @@ Parameters, adapters, gradients and optimizer state are exact: their shapes come
 model config (`jax.eval_shape`, no weights) and their per-device pieces from the same
 partition rules the run applies (model/mesh.py). The KV cache is exact for the largest
 rollout bucket. Learner activations are an estimate: what one micro-batch keeps for the
-backward pass without rematerialisation (per layer the block inputs, q/k/v, attention
-scores and probabilities, the MLP's three intermediate tensors; then the float32 logits,
-their log-softmax and its exponent), which XLA may fuse below.
+backward pass (per layer the block inputs, q/k/v, attention scores and probabilities, the
+MLP's three intermediate tensors, or with rematerialized layers each layer's input and one
+layer's; then the float32 logits, their log-softmax and its exponent, of every position or
+with streamed logits of one chunk), which XLA may fuse below.
 """
 import dataclasses
 
@@ -21,6 +22,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_size,
                                      cache_layer_spec, rule_specs)
 from specroll_jax.model.transformer import Transformer
+from specroll_jax.model.vocab_chunks import rows_per_chunk
 from specroll_jax.rl import grpo, lora
 from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
@@ -36,12 +38,16 @@ class Workload:
   lora_rank: int = 0
   lora_targets: str = lora.DEFAULT_TARGETS
   heads: HeadsConfig | None = None
+  stream_logits: bool = False         # grpo.stream_logits
+  rematerialize_layers: bool = False  # grpo.rematerialize_layers
 
   @classmethod
   def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
     return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=c.grpo.micro_batch_size, learner_width=width,
-               lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads)
+               lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads,
+               stream_logits=c.grpo.stream_logits,
+               rematerialize_layers=c.grpo.rematerialize_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +144,11 @@ def _activation_bytes(config: ModelConfig, workload: Workload, rows: int, tensor
                            + 4 * split(c.num_kv_heads * c.head_dim)
                            + 3 * split(c.intermediate_size))
   scores = 2 * 4 * split(c.num_heads) * width  # float32 scores and probabilities per query
-  logits = 3 * 4 * split(c.vocab_size)
-  per_row = width * (c.num_layers * (per_token_layer + scores) + logits)
-  return max(1, workload.micro_batch_rows // rows) * per_row
+  micro_rows = max(1, workload.micro_batch_rows // rows)
+  positions = micro_rows * width
+  layer = positions * (per_token_layer + scores)
+  layers = (positions * c.num_layers * act * c.hidden_size + layer
+            if workload.rematerialize_layers else c.num_layers * layer)
+  logit_positions = (min(positions, rows_per_chunk(c.vocab_size, positions))
+                     if workload.stream_logits else positions)
+  return layers + logit_positions * 3 * 4 * split(c.vocab_size)
