@@ -12,6 +12,7 @@ float32 matmul on the same backend. Memory: XLA's temporary buffers of the compi
 (what its activations, logits and gradients need beyond the arguments and outputs), and the
 process's peak resident set.
 """
+import dataclasses
 import json
 import resource
 import statistics
@@ -66,7 +67,10 @@ def matmul_rate(n: int, repeats: int) -> float:
 
 
 def micro_batch_flops(policy, config: grpo.GRPOConfig, batch: grpo.RolloutBatch) -> float:
-  """XLA's FLOP count of the loss gradient on the first micro-batch of `batch`."""
+  """XLA's FLOP count of the loss gradient on the first micro-batch of `batch`: the model's
+  own work, so counted with the logits whole (streamed, they are projected again, and
+  inside a loop whose body XLA's analysis counts once)."""
+  config = dataclasses.replace(config, stream_logits=False)
   weights = grpo.loss_weights(config.loss_aggregation, batch.response_mask)
   rows = slice(0, config.micro_batch_size)
   micro = jax.tree.map(lambda x: x[rows], batch)
@@ -99,14 +103,23 @@ def main(argv):
   # The harvest is on where the slow path consumes it (the main job's adaptation 'both').
   config = grpo_config(c, c.adaptation.harvest_top_k)
   batch = learner_batch(policy, c)
-  opt_state = grpo.make_optimizer(config).init(policy.params)
-  compiled = grpo.train_step.lower(policy.config, config, policy.params, opt_state,
-                                   batch).compile()
+  num_params = sum(x.size for x in jax.tree.leaves(policy.params))
   step_flops = micro_batch_flops(policy, config, batch) * (batch.tokens.shape[0]
                                                            // config.micro_batch_size)
-  seconds = timed(lambda: compiled(policy.params, opt_state, batch), FLAGS.repeats)
+  # The trainer's update: params and optimizer state donated, each call's outputs the next
+  # call's inputs.
+  trained = {'params': policy.params,
+             'opt_state': grpo.make_optimizer(config).init(policy.params)}
+  compiled = grpo.train_step_in_place.lower(policy.config, config, trained['params'],
+                                            trained['opt_state'], batch).compile()
+
+  def update():
+    trained['params'], trained['opt_state'], *_ = compiled(trained['params'],
+                                                           trained['opt_state'], batch)
+    return trained['params']
+
+  seconds = timed(update, FLAGS.repeats)
   roof = matmul_rate(FLAGS.matmul_size, FLAGS.repeats)
-  num_params = sum(x.size for x in jax.tree.leaves(policy.params))
   memory = compiled.memory_analysis()
   result = {
       'command': ' '.join(['python -m experiments.profile_learner'] + sys.argv[1:]),

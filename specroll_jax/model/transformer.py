@@ -100,23 +100,15 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Decoder; `__call__` runs a query block, `project` maps hidden states to logits.
-
-  rematerialize_layers: a gradient through the decoder keeps only each layer's input and
-  runs the layer again in the backward pass (the same parameters and names; the forward's
-  values are unchanged): a learner's activations shrink from every layer's attention
-  weights and MLP states to one layer's, for one more forward.
-  """
+  """Decoder; `__call__` runs a query block, `project` maps hidden states to logits."""
   config: ModelConfig
   attention_fn: object = block_attention
-  rematerialize_layers: bool = False
 
   def setup(self):
     c = self.config
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.activation_dtype,
                                  param_dtype=c.jnp_dtype)
-    layer = nn.remat(DecoderLayer) if self.rematerialize_layers else DecoderLayer
-    self.layers = [layer(c, self.attention_fn, name=f'layers_{i}')
+    self.layers = [DecoderLayer(c, self.attention_fn, name=f'layers_{i}')
                    for i in range(c.num_layers)]
     self.norm = norm(c)
     if not c.tie_word_embeddings:
@@ -169,8 +161,7 @@ def causal_mask(valid: jax.Array) -> jax.Array:
   return tril[None] & valid[:, None, :]
 
 
-def padded_sequence_hidden(config: ModelConfig, params, tokens,
-                           rematerialize_layers: bool = False):
+def padded_sequence_hidden(config: ModelConfig, params, tokens):
   """Full-sequence forward over right-padded rows (-1 = padding), as learners need it.
 
   Returns (hidden [B, T, D], tokens with padding as 0, valid mask [B, T]).
@@ -179,6 +170,5 @@ def padded_sequence_hidden(config: ModelConfig, params, tokens,
   valid = tokens >= 0
   safe = jnp.where(valid, tokens, 0)
   positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  hidden, _ = Transformer(config, rematerialize_layers=rematerialize_layers).apply(
-      {'params': params}, safe, positions, causal_mask(valid))
+  hidden, _ = Transformer(config).apply({'params': params}, safe, positions, causal_mask(valid))
   return hidden, safe, valid

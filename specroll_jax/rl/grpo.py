@@ -68,9 +68,6 @@ class GRPOConfig:
   # True: the loss projects onto the vocabulary a chunk of positions at a time, and again
   # in the backward pass (`next_token_scores`): memory for one more projection's time.
   stream_logits: bool = False
-  # True: the backward pass runs each decoder layer again instead of keeping its
-  # activations (Transformer.rematerialize_layers): memory for one more forward's time.
-  rematerialize_layers: bool = False
 
   @property
   def lora_scale(self) -> float:
@@ -195,7 +192,7 @@ def next_token_scores(config: ModelConfig, params, hidden, targets, scale: float
 
 def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
                     harvest_top_k: int = 0, harvest_span: int = 0, harvest_starts=None,
-                    stream_logits: bool = False, rematerialize_layers: bool = False):
+                    stream_logits: bool = False):
   """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
   and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
   (hidden states and the policy's top-K next-token distribution; else None): over whole
@@ -205,7 +202,7 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
   Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
   softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
   """
-  hidden, safe, valid = padded_sequence_hidden(config, params, tokens, rematerialize_layers)
+  hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
   scale = 1.0 if temperature == 0 else temperature
   # The last position predicts nothing in the batch, so it is never projected.
   logp, entropy = next_token_scores(config, params, hidden[:, :-1], safe[:, 1:], scale,
@@ -314,8 +311,7 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
   logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
                                              batch.tokens, config.temperature,
                                              config.harvest_top_k, config.harvest_span, starts,
-                                             config.stream_logits,
-                                             config.rematerialize_layers)
+                                             config.stream_logits)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))
@@ -367,7 +363,6 @@ def make_optimizer(config: GRPOConfig) -> optax.GradientTransformation:
                      optax.adamw(config.learning_rate, weight_decay=config.weight_decay))
 
 
-@partial(jax.jit, static_argnums=(0, 1), static_argnames=('mesh',))
 def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
                batch: RolloutBatch, base=None, mesh=None):
   """One AdamW update of the trained params (the policy, or LoRA adapters on the frozen
@@ -397,3 +392,12 @@ def train_step(model_config: ModelConfig, config: GRPOConfig, params, opt_state,
     new_opt_state = jax.lax.with_sharding_constraint(
         new_opt_state, optimizer_sharding(mesh, optimizer, new_opt_state, shardings))
   return new_params, new_opt_state, metrics, pairs
+
+
+_STATIC = dict(static_argnums=(0, 1), static_argnames=('mesh',))
+# Donating the trained params and their optimizer state lets the update write the new ones
+# into the old buffers: one copy of each at the step's peak instead of two (SmolLM2's
+# float32 params and AdamW moments are 1.5 GiB). For callers that never read the inputs
+# again; the inputs are deleted.
+train_step_in_place = jax.jit(train_step, donate_argnums=(2, 3), **_STATIC)
+train_step = jax.jit(train_step, **_STATIC)

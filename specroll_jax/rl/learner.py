@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import struct
@@ -53,6 +54,9 @@ class Learner:
     # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
     self.initial_policy = shard_params(mesh, policy.params)
     self.reference = self.initial_policy if self.config.kl_coef > 0 else None
+    # Read after the first update (the KL term's reference, the drift KL), so the trained
+    # policy, whose buffers each update reuses, starts as a copy of it.
+    self.keeps_initial_policy = self.reference is not None or c.metrics.drift_kl_every > 0
     self.seed = c.seed
 
   def init_state(self, heads: HeadsState | None) -> TrainState:
@@ -60,11 +64,14 @@ class Learner:
     if self.config.lora_rank:
       adapters = shard_params(self.mesh, lora.init_adapters(
           self.initial_policy, self.config.lora_rank, self.config.lora_targets, self.seed))
-    trained = self.initial_policy if adapters is None else adapters
+    policy = self.initial_policy
+    if adapters is None and self.keeps_initial_policy:
+      policy = jax.tree.map(jnp.copy, policy)
+    trained = policy if adapters is None else adapters
     opt_state = self.optimizer.init(trained)
     opt_state = jax.device_put(opt_state, optimizer_sharding(
         self.mesh, self.optimizer, opt_state, param_sharding(self.mesh, trained)))
-    return TrainState(policy=self.initial_policy, opt_state=opt_state, step=0, data_position=0,
+    return TrainState(policy=policy, opt_state=opt_state, step=0, data_position=0,
                       heads=heads, adapters=adapters)
 
   def rollout_params(self, state: TrainState):
@@ -90,9 +97,15 @@ class Learner:
 
   def update(self, state: TrainState, batch: grpo.RolloutBatch, harvest: bool):
     """One AdamW step of the policy (or of its LoRA adapters over the frozen base).
-    Returns (state, metrics, head-training pairs or None)."""
+    Returns (state, metrics, head-training pairs or None).
+
+    The trained arrays and their optimizer state in `state` are donated to the update (its
+    outputs reuse their buffers) except on harvest steps, whose heads then consolidate
+    against the policy the pairs came from.
+    """
     lora_run = state.adapters is not None
-    params, opt_state, metrics, pairs = grpo.train_step(
+    train_step = grpo.train_step if harvest else grpo.train_step_in_place
+    params, opt_state, metrics, pairs = train_step(
         self.model_config, self.harvest_config if harvest else self.config,
         state.adapters if lora_run else state.policy, state.opt_state, batch,
         state.policy if lora_run else None, mesh=self.mesh)

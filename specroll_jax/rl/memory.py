@@ -5,9 +5,8 @@ model config (`jax.eval_shape`, no weights) and their per-device pieces from the
 partition rules the run applies (model/mesh.py). The KV cache is exact for the largest
 rollout bucket. Learner activations are an estimate: what one micro-batch keeps for the
 backward pass (per layer the block inputs, q/k/v, attention scores and probabilities, the
-MLP's three intermediate tensors, or with rematerialized layers each layer's input and one
-layer's; then the float32 logits, their log-softmax and its exponent, of every position or
-with streamed logits of one chunk), which XLA may fuse below.
+MLP's three intermediate tensors; then the float32 logits, their log-softmax and its
+exponent, of every position or with streamed logits of one chunk), which XLA may fuse below.
 """
 import dataclasses
 
@@ -38,16 +37,14 @@ class Workload:
   lora_rank: int = 0
   lora_targets: str = lora.DEFAULT_TARGETS
   heads: HeadsConfig | None = None
-  stream_logits: bool = False         # grpo.stream_logits
-  rematerialize_layers: bool = False  # grpo.rematerialize_layers
+  stream_logits: bool = False  # grpo.stream_logits
 
   @classmethod
   def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
     return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=c.grpo.micro_batch_size, learner_width=width,
                lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads,
-               stream_logits=c.grpo.stream_logits,
-               rematerialize_layers=c.grpo.rematerialize_layers)
+               stream_logits=c.grpo.stream_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +143,7 @@ def _activation_bytes(config: ModelConfig, workload: Workload, rows: int, tensor
   scores = 2 * 4 * split(c.num_heads) * width  # float32 scores and probabilities per query
   micro_rows = max(1, workload.micro_batch_rows // rows)
   positions = micro_rows * width
-  layer = positions * (per_token_layer + scores)
-  layers = (positions * c.num_layers * act * c.hidden_size + layer
-            if workload.rematerialize_layers else c.num_layers * layer)
+  layers = positions * c.num_layers * (per_token_layer + scores)
   logit_positions = (min(positions, rows_per_chunk(c.vocab_size, positions))
                      if workload.stream_logits else positions)
   return layers + logit_positions * 3 * 4 * split(c.vocab_size)
