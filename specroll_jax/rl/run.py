@@ -24,6 +24,7 @@ from specroll_jax.rl.evaluation import EvaluationConfig, HeldOutEvaluation, held
 from specroll_jax.rl.head_adaptation import ADAPTATION_MODES, HeadAdaptation, warm_start_heads
 from specroll_jax.rl.learner import Learner, TrainState, grpo_config
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
+from specroll_jax.rl.resources import return_large_frees_to_the_os
 from specroll_jax.rl.rollouts import (Rollouts, check_tree_section, driver_config,
                                       head_draft_config, run_prompt_width, sampler_config)
 from specroll_jax.rl.sections import build
@@ -113,6 +114,7 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
   """The run of config `c` in `workdir`, and the state it starts from: step 0, or the latest
   checkpoint there."""
   check_config(c)
+  return_large_frees_to_the_os()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
