@@ -66,7 +66,7 @@ class GRPOConfig:
   lora_alpha: float = 32.0
   lora_targets: str = lora.DEFAULT_TARGETS
   # True: the loss projects onto the vocabulary a chunk of positions at a time, and again
-  # in the backward pass (`next_token_scores`): memory for one more projection's time.
+  # in the backward pass (`_streamed_token_scores`): memory for one more projection's time.
   stream_logits: bool = False
 
   @property
@@ -165,28 +165,29 @@ def batch_from_rollouts(prompts: list[list[int]], responses: list[list[int]],
                       old_logprobs=jnp.asarray(old), advantages=jnp.asarray(advantages))
 
 
-def next_token_scores(config: ModelConfig, params, hidden, targets, scale: float,
-                      stream: bool = False):
-  """log softmax(logits / scale) at `targets` and that law's entropy (no gradient), [B, S]
-  each, from hidden [B, S, D] and targets int32 [B, S].
+def _project(config: ModelConfig, params, hidden):
+  return Transformer(config).apply({'params': params}, hidden, method=Transformer.project)
 
-  stream: project a chunk of positions at a time and again in the backward pass
+
+def _token_scores(logits, targets, scale: float):
+  """log softmax(logits / scale) at `targets` and that law's entropy (no gradient)."""
+  logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
+  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+  law = jax.lax.stop_gradient(logp_all)
+  return logp, -jnp.sum(jnp.exp(law) * law, axis=-1)
+
+
+def _streamed_token_scores(config: ModelConfig, params, hidden, targets, scale: float):
+  """`_token_scores` of hidden [B, S, D] at targets int32 [B, S], [B, S] each, projecting a
+  chunk of positions at a time and again in the backward pass
   (`vocab_chunks.map_projected`), so at most one chunk's logits, log-softmax and gradient
   are live; every position's at once are several copies of 0.1 GB per row of 540 positions
   at V = 49,152. The cost is one more projection per position.
   """
-  def scores(logits, y):
-    logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
-    logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
-    law = jax.lax.stop_gradient(logp_all)
-    return logp, -jnp.sum(jnp.exp(law) * law, axis=-1)
-
-  if not stream:
-    return scores(Transformer(config).apply({'params': params}, hidden,
-                                            method=Transformer.project), targets)
   rows, length = targets.shape
   flat = lambda x: x.reshape(rows * length, *x.shape[2:])
-  logp, entropy = map_projected(config, params, flat(hidden), scores, flat(targets))
+  logp, entropy = map_projected(config, params, flat(hidden),
+                                partial(_token_scores, scale=scale), flat(targets))
   return logp.reshape(rows, length), entropy.reshape(rows, length)
 
 
@@ -205,8 +206,12 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
   hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
   scale = 1.0 if temperature == 0 else temperature
   # The last position predicts nothing in the batch, so it is never projected.
-  logp, entropy = next_token_scores(config, params, hidden[:, :-1], safe[:, 1:], scale,
-                                    stream_logits)
+  logits = None
+  if stream_logits:
+    logp, entropy = _streamed_token_scores(config, params, hidden[:, :-1], safe[:, 1:], scale)
+  else:
+    logits = _project(config, params, hidden[:, :-1])
+    logp, entropy = _token_scores(logits, safe[:, 1:], scale)
   shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)
   pairs = None
   if harvest_top_k:
@@ -215,10 +220,11 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
                      span_positions(jnp.zeros(tokens.shape[0], jnp.int32), width, width))
     take = lambda x: take_positions(x, index)
     # The last position is never projected; heads never read its target (the horizon is
-    # past the row), so it takes the one before's. Only the span's positions are projected.
-    span_hidden = jax.lax.stop_gradient(take_positions(hidden, jnp.minimum(index, width - 2)))
-    span_logits = Transformer(config).apply({'params': params}, span_hidden,
-                                            method=Transformer.project)
+    # past the row), so it takes the one before's. Streamed logits were not kept: the
+    # span's positions are projected again.
+    projected = jnp.minimum(index, width - 2)
+    span_logits = (take_positions(logits, projected) if logits is not None else
+                   _project(config, params, take_positions(hidden, projected)))
     ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
     pairs = HeadPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
                       target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)

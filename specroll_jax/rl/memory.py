@@ -144,6 +144,6 @@ def _activation_bytes(config: ModelConfig, workload: Workload, rows: int, tensor
   micro_rows = max(1, workload.micro_batch_rows // rows)
   positions = micro_rows * width
   layers = positions * c.num_layers * (per_token_layer + scores)
-  logit_positions = (min(positions, rows_per_chunk(c.vocab_size, positions))
-                     if workload.stream_logits else positions)
+  logit_positions = (rows_per_chunk(c.vocab_size, positions) if workload.stream_logits
+                     else positions)
   return layers + logit_positions * 3 * 4 * split(c.vocab_size)

@@ -66,12 +66,16 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+def _plain_numbers(text: str) -> str:
+  """text with Unicode minus signs as '-', and money and percent signs and thousands commas
+  removed, so that `_NUMBER` reads its numbers whole."""
+  return _THOUSANDS_COMMA.sub('', re.sub(r'\\?[$%]', '', text.replace('\u2212', '-')))
+
+
 def _gsm8k_number(text: str) -> str | None:
   """First number in text; money and percent signs, thousands commas and any units
   around it are ignored."""
-  text = text.replace('\u2212', '-').replace('{,}', ',')
-  text = re.sub(r'\\?[$%]|\\!', '', text)
-  text = _THOUSANDS_COMMA.sub('', text)
+  text = _plain_numbers(text.replace('{,}', ',').replace('\\!', ''))
   text = _LATEX_FRAC.sub(r'\1/\2', text)
   match = _NUMBER.search(text)
   if not match:
@@ -155,9 +159,8 @@ def lenient_answer(completion: str, question: str) -> str | None:
 
 def _numbers(text: str) -> set[Fraction]:
   """The distinct numeric values in text (thousands commas, $ and % ignored)."""
-  text = _THOUSANDS_COMMA.sub('', re.sub(r'\\?[$%]', '', text.replace('\u2212', '-')))
   values = set()
-  for match in _NUMBER.finditer(text):
+  for match in _NUMBER.finditer(_plain_numbers(text)):
     try:
       values.add(Fraction(match.group(0).rstrip('.')))
     except (ValueError, ZeroDivisionError):
