@@ -26,6 +26,8 @@ def get_config():
   c.metrics.drift_kl_every = 1
   c.variants = ('static', 'online', 'reflex', 'slow', 'both')
   c.include_vanilla = True
+  # Heads every variant starts from (a copy); '' = the first variant warm-starts them.
+  c.initial_heads = ''
   # The task its committed results were measured on (the main job now cycles 64 easy tasks).
   c.task.source, c.task.count = 'synthetic:hard', 4096
   c.audit.every = 0  # vanilla runs as its own variant

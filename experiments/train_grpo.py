@@ -12,6 +12,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.rl import distributed
+from specroll_jax.rl.resources import restart_with_large_frees_returned
 from specroll_jax.rl.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
@@ -33,4 +34,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  restart_with_large_frees_returned()
   app.run(main)
