@@ -1,0 +1,161 @@
+"""How often any drafter's top-k can hold the policy's T=1 draw: the ceiling under tau.
+
+  python -m experiments.measure_draft_ceiling --out_dir=results/drafts_w3/ceiling
+
+At T=1 the walk accepts a drafted child when the policy's draw equals it, so a drafter whose
+top-1 guess for x_{t+1} is the best possible one (the policy's own argmax, knowing the whole
+prefix) still agrees with the draw only with probability max_y p(y | x<=t). Averaged over the
+positions of the policy's own answers, E[max p] bounds the held-out top-1 agreement of every
+one-step proposer (the drafter's depth 1), and of every horizon head too: head k guesses
+x_{t+k+1} from x<=t, and max_y E_x'[p(y | x<=t, x')] <= E_x'[max_y p(y | x<=t, x')] (Jensen),
+so head k's agreement is at most the same average one position later. The top-k mass bounds
+the chance that a k-way set of children holds the draw. The empirical rate at which the
+draw equals the argmax is printed beside E[max p]: the two estimate the same number.
+
+The ceiling on tau itself, for a static tree of N nodes per row: a drafter that knew the
+policy's law at every depth of every drafted path (the policy drafting for itself, at no
+cost) proposes, below each accepted path, the children of given ranks in that law. The
+draft is accepted to depth d when the draws' ranks (r_1..r_d) form a path of the tree, so a
+tree is a prefix-closed set of rank paths, and the ranks of the policy's own T=1 answers
+under its laws are Monte Carlo draws of that walk. The accepted depth counts the tree's
+nodes on the draws' path, so the best N-node tree holds the N-1 most frequent rank paths
+(prefix-closed: a path is never more frequent than its prefix); it is chosen on one
+half of the answers and its tau (1 + accepted depth) measured on the other, both ways.
+"""
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from specroll_jax import load_policy
+from specroll_jax.model.transformer import padded_sequence_hidden
+from specroll_jax.model.vocab_chunks import map_projected
+from specroll_jax.rl.rollouts import run_prompt_width
+from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.speculative.factory import make_engine
+from specroll_jax.tasks.sources import load_tasks
+
+_POLICY = flags.DEFINE_string('policy', 'workdir/models/smollm2-135m-instruct',
+                              'An HF policy directory.')
+_SOURCE = flags.DEFINE_string('source', 'gsm8k', 'Task source of the prompts.')
+_SPLIT = flags.DEFINE_string('split', 'test', 'Its split (held out from every training set).')
+_PROMPTS = flags.DEFINE_integer('prompts', 32, 'Prompts, one T=1 answer each.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 256, 'Tokens per answer at most.')
+_DATA = flags.DEFINE_string('data_dir', None, 'Data directory (default ../shared/data).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Task draw and sampling seed.')
+_OUT = flags.DEFINE_string('out_dir', 'results/drafts_w3/ceiling', 'Where results go.')
+RANKS = 8
+ROWS_PER_FORWARD = 8
+BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench_drafts' budgets)
+DEPTHS = (4, 15)       # the heads' and drafter's depth; and as deep as 16 nodes allow
+
+
+def rank_paths(ranks: np.ndarray, depth: int):
+  """Every position's path of draw ranks, as long as the draws stay within the top RANKS,
+  the answer lasts and `depth` allows: tuples of ranks, one per position of `ranks` [L]."""
+  paths = []
+  for i in range(len(ranks)):
+    path = []
+    for r in ranks[i:i + depth]:
+      if r >= RANKS:
+        break
+      path.append(int(r))
+    paths.append(tuple(path))
+  return paths
+
+
+def best_tree(paths, nodes: int) -> set:
+  """The `nodes` - 1 most frequent non-empty path prefixes (ties: shallower first, so the
+  set is prefix-closed)."""
+  counts = {}
+  for path in paths:
+    for d in range(1, len(path) + 1):
+      counts[path[:d]] = counts.get(path[:d], 0) + 1
+  ranked = sorted(counts, key=lambda prefix: (-counts[prefix], len(prefix), prefix))
+  return set(ranked[:nodes - 1])
+
+
+def tree_tau(tree: set, paths) -> float:
+  """Tokens per verification of `tree` on these draws: 1 + the longest accepted prefix."""
+  accepted = [next((d for d in range(len(p), 0, -1) if p[:d] in tree), 0) for p in paths]
+  return 1.0 + float(np.mean(accepted))
+
+
+def two_fold_tau(ranks_by_answer: list, nodes: int, depth: int) -> float:
+  """The best tree chosen on even answers measured on odd ones and the reverse, averaged."""
+  halves = [[p for a in ranks_by_answer[k::2] for p in rank_paths(a, depth)] for k in (0, 1)]
+  return float(np.mean([tree_tau(best_tree(halves[k], nodes), halves[1 - k]) for k in (0, 1)]))
+
+
+@partial(jax.jit, static_argnums=0)
+def next_token_laws(model_config, params, tokens):
+  """Per position of right-padded rows: the policy's top-RANKS probabilities for the next
+  token, and the realised next token's rank in that law (RANKS: below the top RANKS)."""
+  hidden, safe, _ = padded_sequence_hidden(model_config, params, tokens)
+  batch, width, dim = hidden.shape
+  following = jnp.pad(safe[:, 1:], ((0, 0), (0, 1))).reshape(-1)
+
+  def law(logits, realised):
+    probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), RANKS)
+    hits = ids == realised[:, None]
+    return probs, jnp.where(hits.any(-1), jnp.argmax(hits, -1), RANKS)
+
+  probs, ranks = map_projected(model_config, params, hidden.reshape(-1, dim), law,
+                                      following)
+  return probs.reshape(batch, width, RANKS), ranks.reshape(batch, width)
+
+
+def main(argv):
+  del argv
+  policy = load_policy(_POLICY.value)
+  tasks = load_tasks(_SOURCE.value, count=_PROMPTS.value, seed=_SEED.value,
+                     data_dir=_DATA.value, split=_SPLIT.value, chat=True)[:_PROMPTS.value]
+  prompts = [policy.prompt_ids(t.prompt, True) for t in tasks]
+  engine = make_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
+  driver = Driver(engine, RolloutConfig(_MAX_NEW.value, max_batch=len(prompts),
+                                        prompt_bucket_min=run_prompt_width(prompts)))
+  responses = driver.generate(engine.params(policy.params), prompts, 1, _SEED.value)
+  width = max(len(p) for p in prompts) + _MAX_NEW.value
+  rows = np.full((len(responses), width), -1, np.int32)
+  # Positions whose next token is a response token: the last prompt position onwards.
+  span = np.zeros((len(responses), width), bool)
+  for i, r in enumerate(responses):
+    sequence = prompts[r.prompt_index] + r.token_ids
+    rows[i, :len(sequence)] = sequence
+    span[i, len(prompts[r.prompt_index]) - 1:len(sequence) - 1] = True
+  masses, ranks_by_answer = [], []
+  for start in range(0, len(rows), ROWS_PER_FORWARD):
+    probs, ranks = next_token_laws(policy.config, policy.params,
+                                   jnp.asarray(rows[start:start + ROWS_PER_FORWARD]))
+    inside = span[start:start + ROWS_PER_FORWARD]
+    masses.append(np.asarray(probs)[inside])
+    ranks_by_answer += [np.asarray(r)[m] for r, m in zip(ranks, inside)]
+  masses = np.concatenate(masses)
+  drawn = np.concatenate(ranks_by_answer)
+  top_k_mass = np.cumsum(masses, axis=-1).mean(axis=0)
+  result = {
+      'command': ' '.join(['python -m experiments.measure_draft_ceiling', *sys.argv[1:]]),
+      'policy': _POLICY.value, 'prompts': f'{_SOURCE.value}:{_SPLIT.value}',
+      'answers': len(responses), 'positions': int(len(masses)),
+      'expected_max_prob': float(top_k_mass[0]),
+      'argmax_drawn_rate': float(np.mean(drawn == 0)),
+      'top_k_mass': {str(k + 1): float(m) for k, m in enumerate(top_k_mass)},
+      'max_prob_quantiles': {str(q): float(np.quantile(masses[:, 0], q))
+                             for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
+      'tau_ceiling': {f'{nodes}_nodes_depth_{depth}': two_fold_tau(ranks_by_answer, nodes, depth)
+                      for nodes in BUDGETS for depth in DEPTHS},
+  }
+  out = Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
+  print(json.dumps(result, indent=1))
+
+
+if __name__ == '__main__':
+  app.run(main)
