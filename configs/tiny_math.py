@@ -79,8 +79,9 @@ def get_config():
   # Every 5th step vanilla replays the rollout: identical responses and the measured
   # speedup go into metrics.jsonl and report.md.
   c.audit = section(AuditConfig, every=5)
-  # group_size and temperature are the rollout's; the update harvests head pairs
-  # (adaptation.harvest_top_k) only on steps that train heads.
-  c.grpo = section(GRPOConfig, exclude=('group_size', 'temperature', 'harvest_top_k'),
+  # group_size and temperature are the rollout's, score_span follows its max_new_tokens; the
+  # update harvests head pairs (adaptation.harvest_top_k) only on steps that train heads.
+  c.grpo = section(GRPOConfig,
+                   exclude=('group_size', 'temperature', 'harvest_top_k', 'score_span'),
                    learning_rate=1e-4, micro_batch_size=32)
   return c

@@ -16,6 +16,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.response import Response
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.pairs import span_positions
 
 TINY = ModelConfig(architecture='LlamaForCausalLM', vocab_size=64, hidden_size=32,
                    intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -261,6 +262,34 @@ def test_streamed_logits_give_the_same_loss_gradient_and_harvest(tiny_params, mo
   # The harvest projects the span's positions alone either way.
   np.testing.assert_array_equal(got[2].target_ids, expected[2].target_ids)
   np.testing.assert_array_equal(got[2].target_logp, expected[2].target_logp)
+
+
+@pytest.mark.parametrize('stream', [False, True])
+def test_scoring_only_the_response_span_gives_the_same_loss_gradient_and_harvest(
+    stream, tiny_params, monkeypatch):
+  monkeypatch.setattr(vocab_chunks, 'MAX_CHUNK_LOGITS', 5 * TINY.vocab_size)
+  batch = _random_batch(tiny_params)
+  # The longest response has 8 tokens (row 4: prompt 1, length 9), scored from the prompt's
+  # last position: a span of 9. Row 1's span runs past its 10 positions (clipped).
+  whole = grpo.GRPOConfig(micro_batch_size=4, kl_coef=0.1, harvest_top_k=5, harvest_span=9,
+                          stream_logits=stream)
+  grad = jax.jit(grpo.accumulated_gradients, static_argnums=(0, 1))
+  expected = grad(TINY, whole, tiny_params, batch)
+  got = grad(TINY, dataclasses.replace(whole, score_span=9), tiny_params, batch)
+  # The same terms from a projection of fewer rows: the micro-batch test's bound.
+  for g, f in zip(jax.tree.leaves(got[0]), jax.tree.leaves(expected[0])):
+    np.testing.assert_allclose(g, f, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(f))))
+  for name in expected[1]:
+    np.testing.assert_allclose(got[1][name], expected[1][name], rtol=1e-5, atol=1e-6)
+  # The harvest reuses the span's logits (whole) or projects them again (streamed). A
+  # row's last position has no target in the batch: its pair is never read (the heads'
+  # horizons lie past the row), and only there may the two differ.
+  starts = jnp.maximum(jnp.argmax(batch.response_mask, 1) - 1, 0)
+  readable = np.asarray(got[2].valid) & (np.asarray(span_positions(starts, 9, 10)[0]) < 9)
+  np.testing.assert_array_equal(np.asarray(got[2].target_ids)[readable],
+                                np.asarray(expected[2].target_ids)[readable])
+  np.testing.assert_allclose(np.asarray(got[2].target_logp)[readable],
+                             np.asarray(expected[2].target_logp)[readable], rtol=0, atol=1e-5)
 
 
 def test_streamed_log_probs_are_the_whole_projection_s(tiny_params, monkeypatch):

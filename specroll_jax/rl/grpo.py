@@ -56,6 +56,11 @@ class GRPOConfig:
   # > 0: harvest only each row's positions [last prompt position, + harvest_span), the
   # pairs whose horizon lies in the response; 0: whole rows.
   harvest_span: int = 0
+  # > 0: project onto the vocabulary only each row's positions [last prompt position,
+  # + score_span), the predictions of its response tokens; the prompt's and the padding's
+  # are never read by the loss (on the SmolLM2 job they are 5 of every 9 positions). The
+  # learner sets max_new_tokens + 1; a response longer than score_span - 1 is an error there.
+  score_span: int = 0
   # True: pi_old is the learner's own forward at the step's starting parameters (exact for
   # one update per batch, as train_step does), not the rollout engine's log-probs, so
   # training does not depend on the engine's float32 rounding (1e-5, shape dependent).
@@ -97,9 +102,9 @@ class GRPOConfig:
       raise ValueError(f'micro_batch_size must be >= 1, got {self.micro_batch_size}')
     if self.advantage_eps <= 0:
       raise ValueError(f'advantage_eps must be > 0, got {self.advantage_eps}')
-    if self.harvest_top_k < 0 or self.harvest_span < 0:
-      raise ValueError(f'harvest_top_k and harvest_span must be >= 0, got '
-                       f'{self.harvest_top_k} and {self.harvest_span}')
+    if self.harvest_top_k < 0 or self.harvest_span < 0 or self.score_span < 0:
+      raise ValueError(f'harvest_top_k, harvest_span and score_span must be >= 0, got '
+                       f'{self.harvest_top_k}, {self.harvest_span} and {self.score_span}')
     if self.lora_rank < 0:
       raise ValueError(f'lora_rank must be >= 0, got {self.lora_rank}')
     if self.lora_rank and not lora.target_names(self.lora_targets):
@@ -192,39 +197,57 @@ def _streamed_token_scores(config: ModelConfig, params, hidden, targets, scale: 
 
 
 def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
-                    harvest_top_k: int = 0, harvest_span: int = 0, harvest_starts=None,
-                    stream_logits: bool = False):
+                    harvest_top_k: int = 0, harvest_span: int = 0, starts=None,
+                    stream_logits: bool = False, score_span: int = 0):
   """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
   and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
   (hidden states and the policy's top-K next-token distribution; else None): over whole
-  rows, or with harvest_span > 0 over positions [harvest_starts, + harvest_span) per row,
+  rows, or with harvest_span > 0 over positions [starts, + harvest_span) per row,
   which takes the top-K of those positions only.
 
-  Index 0 and padding hold 0. The scaling is the sampler's (sampling.token_logprob):
-  softmax(logits / T), T = 1 for greedy, before any top-k/top-p filtering.
+  With score_span > 0 only positions [starts, + score_span) are projected, so only tokens
+  starts + 1 .. starts + score_span are scored. Index 0, padding and unscored tokens hold 0.
+  The scaling is the sampler's (sampling.token_logprob): softmax(logits / T), T = 1 for
+  greedy, before any top-k/top-p filtering.
   """
   hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
+  rows, width = tokens.shape
   scale = 1.0 if temperature == 0 else temperature
-  # The last position predicts nothing in the batch, so it is never projected.
+  # Position t predicts token t + 1; the last position predicts nothing in the batch.
+  if score_span:
+    scored, scored_inside = span_positions(starts, score_span, width)
+    scored_hidden = take_positions(hidden, scored)
+    targets = take_positions(jnp.pad(safe[:, 1:], ((0, 0), (0, 1))), scored)
+  else:
+    scored_hidden, targets = hidden[:, :-1], safe[:, 1:]
   logits = None
   if stream_logits:
-    logp, entropy = _streamed_token_scores(config, params, hidden[:, :-1], safe[:, 1:], scale)
+    logp, entropy = _streamed_token_scores(config, params, scored_hidden, targets, scale)
   else:
-    logits = _project(config, params, hidden[:, :-1])
-    logp, entropy = _token_scores(logits, safe[:, 1:], scale)
-  shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)
+    logits = _project(config, params, scored_hidden)
+    logp, entropy = _token_scores(logits, targets, scale)
+  if score_span:
+    # Back to token positions; a span running past the row lands past it and is dropped.
+    place = lambda x: jnp.zeros((rows, width), x.dtype).at[
+        jnp.arange(rows)[:, None], scored + 1].set(jnp.where(scored_inside, x, 0.0),
+                                                   mode='drop')
+  else:
+    place = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+  shift = lambda x: jnp.where(valid, place(x), 0.0)
   pairs = None
   if harvest_top_k:
-    width = tokens.shape[1]
-    index, inside = (span_positions(harvest_starts, harvest_span, width) if harvest_span else
-                     span_positions(jnp.zeros(tokens.shape[0], jnp.int32), width, width))
+    index, inside = (span_positions(starts, harvest_span, width) if harvest_span else
+                     span_positions(jnp.zeros(rows, jnp.int32), width, width))
     take = lambda x: take_positions(x, index)
-    # The last position is never projected; heads never read its target (the horizon is
-    # past the row), so it takes the one before's. Streamed logits were not kept: the
-    # span's positions are projected again.
-    projected = jnp.minimum(index, width - 2)
-    span_logits = (take_positions(logits, projected) if logits is not None else
-                   _project(config, params, take_positions(hidden, projected)))
+    if logits is not None and score_span and score_span == harvest_span:
+      span_logits = logits
+    else:
+      # The last position is never scored; heads never read its target (the horizon is
+      # past the row), so it takes the one before's. Streamed logits were not kept: the
+      # span's positions are projected again.
+      projected = jnp.minimum(index, width - 2)
+      span_logits = (take_positions(logits, projected) if logits is not None and not score_span
+                     else _project(config, params, take_positions(hidden, projected)))
     ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
     pairs = HeadPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
                       target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)
@@ -317,7 +340,7 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
   logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
                                              batch.tokens, config.temperature,
                                              config.harvest_top_k, config.harvest_span, starts,
-                                             config.stream_logits)
+                                             config.stream_logits, config.score_span)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))

@@ -32,8 +32,11 @@ class TrainState:
 
 
 def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
+  """The run's GRPO config; the loss scores each row from its last prompt position on, as
+  far as the longest response the rollouts can return."""
   return build(grpo.GRPOConfig, c.grpo, 'grpo', group_size=c.rollout.group_size,
-               temperature=c.rollout.sampler.temperature or 1.0, harvest_top_k=harvest_top_k)
+               temperature=c.rollout.sampler.temperature or 1.0, harvest_top_k=harvest_top_k,
+               score_span=c.rollout.driver.max_new_tokens + 1)
 
 
 class Learner:
@@ -47,9 +50,10 @@ class Learner:
   def __init__(self, c, policy: Policy, width: int, mesh):
     self.model_config, self.width, self.mesh = policy.config, width, mesh
     self.config = grpo_config(c, 0)
+    # The harvest's span is the loss's: one projection serves both.
     self.harvest_config = dataclasses.replace(self.config,
                                               harvest_top_k=c.adaptation.harvest_top_k,
-                                              harvest_span=c.rollout.driver.max_new_tokens + 1)
+                                              harvest_span=self.config.score_span)
     self.optimizer = grpo.make_optimizer(self.config)
     # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
     self.initial_policy = shard_params(mesh, policy.params)
@@ -83,6 +87,10 @@ class Learner:
   def batch(self, prompts, responses, scores) -> grpo.RolloutBatch:
     """The rollout as a learner batch on the mesh: group advantages, and the reference
     policy's log-probs when the loss has a KL term."""
+    longest = max(len(r.token_ids) for r in responses)
+    if longest >= self.config.score_span:
+      raise ValueError(f'a response of {longest} tokens: the loss scores at most '
+                       f'{self.config.score_span - 1} per row (rollout.driver.max_new_tokens)')
     batch = grpo.batch_from_rollouts(
         [prompts[r.prompt_index] for r in responses], [r.token_ids for r in responses],
         [r.logprobs for r in responses],

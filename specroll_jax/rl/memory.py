@@ -6,7 +6,8 @@ partition rules the run applies (model/mesh.py). The KV cache is exact for the l
 rollout bucket. Learner activations are an estimate: what one micro-batch keeps for the
 backward pass (per layer the block inputs, q/k/v, attention scores and probabilities, the
 MLP's three intermediate tensors; then the float32 logits, their log-softmax and its
-exponent, of every position or with streamed logits of one chunk), which XLA may fuse below.
+exponent, of every scored position or with streamed logits of one chunk), which XLA may
+fuse below.
 """
 import dataclasses
 
@@ -38,13 +39,15 @@ class Workload:
   lora_targets: str = lora.DEFAULT_TARGETS
   heads: HeadsConfig | None = None
   stream_logits: bool = False  # grpo.stream_logits
+  scored_width: int = 0        # positions per row the loss projects (grpo.score_span; 0 = all)
 
   @classmethod
   def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
     return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=c.grpo.micro_batch_size, learner_width=width,
                lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads,
-               stream_logits=c.grpo.stream_logits)
+               stream_logits=c.grpo.stream_logits,
+               scored_width=c.rollout.driver.max_new_tokens + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +147,7 @@ def _activation_bytes(config: ModelConfig, workload: Workload, rows: int, tensor
   micro_rows = max(1, workload.micro_batch_rows // rows)
   positions = micro_rows * width
   layers = positions * c.num_layers * (per_token_layer + scores)
-  logit_positions = (rows_per_chunk(c.vocab_size, positions) if workload.stream_logits
-                     else positions)
+  scored = micro_rows * min(width, workload.scored_width or width)
+  logit_positions = (rows_per_chunk(c.vocab_size, scored) if workload.stream_logits
+                     else scored)
   return layers + logit_positions * 3 * 4 * split(c.vocab_size)
