@@ -5,7 +5,7 @@ with the heads drafting every step, once per adaptation variant.
   python3 -m experiments.train_heads ... (the W3 heads: WORKSPACE_NOTES, issue 29)
   python3 -m experiments.bench_adaptation --config=configs/adaptation_smol.py
 
-Every variant emits the job's tokens (exactness: its rollout digests equal the job's), so
+Every variant emits the same tokens (exactness: their rollout digests are compared), so
 each sees the same policy trajectory and the same drift; what differs is the heads' tau
 and what keeping them current costs. The held-out evaluation and the audit are off (they
 are the job's, in results/smol_grpo), and the gate too, so every step verifies a tree and
