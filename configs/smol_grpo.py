@@ -30,11 +30,11 @@ def get_config():
   c.rollout.tree.update(capacity_tokens=64, max_nodes=16)
   c.adaptation.mode = 'static'
   c.audit.every = 6
-  # Micro-batches of 2 rows, the loss's logits streamed: the [rows, width, 49152] logits
-  # and their gradient dominated the learner's memory (8 rows whole peaked above 23 GB and
-  # were killed). Streaming costs +21% of an update for -0.7 GB (results/smol_grpo/
-  # profile_learner; WORKSPACE_NOTES).
-  c.grpo.update(learning_rate=2e-5, micro_batch_size=2, stream_logits=True)
+  # Micro-batches of one row, the loss's logits whole: with only the response span projected
+  # (grpo.score_span) an update takes 30.2 s and peaks at 5.3 GB in profile_learner, against
+  # 27.8 s / 7.1 GB for 2 rows and 32.7 s / 5.3 GB streamed (results/smol_grpo/
+  # profile_learner; 8 rows with every position projected peaked above 23 GB and were killed).
+  c.grpo.update(learning_rate=2e-5, micro_batch_size=1)
   # Rows on one device: micro-batches of 2 cannot be split over more row shards.
   c.mesh.data = 1
   return c
