@@ -22,6 +22,9 @@ def get_config():
   c.evaluation.every = 0
   c.audit.every = 0
   c.metrics.drift_kl_every = 1
+  # What this compares is tau and head-update time, not memory: the allocator setting would
+  # add ~13 s to every update (tiny_math's note).
+  c.return_large_frees = False
   # The W3 heads (self-distilled on 192 of the policy's own GSM8K answers, 150 steps;
   # workdir-local, made by experiments.train_heads): each variant starts from a copy.
   c.initial_heads = 'workdir/heads_smollm2_gsm8k'

@@ -168,6 +168,8 @@ def write_outputs(c, result: dict, out: Path) -> str:
 def main(argv):
   del argv
   c = _CONFIG.value
+  if c.return_large_frees:
+    restart_with_large_frees_returned()
   names = list(c.variants) + (['vanilla'] if c.include_vanilla else [])
   runs = {name: [] for name in names}
   heads_source = Path(c.initial_heads) if c.get('initial_heads') else None
@@ -208,5 +210,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  restart_with_large_frees_returned()
   app.run(main)

@@ -26,6 +26,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  if _CONFIG.value.return_large_frees:
+    restart_with_large_frees_returned()
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                          cluster=FLAGS.cluster)
   last = train(_CONFIG.value, FLAGS.workdir)
@@ -34,5 +36,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  restart_with_large_frees_returned()
   app.run(main)

@@ -114,7 +114,8 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
   """The run of config `c` in `workdir`, and the state it starts from: step 0, or the latest
   checkpoint there."""
   check_config(c)
-  return_large_frees_to_the_os()
+  if c.return_large_frees:
+    return_large_frees_to_the_os()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
