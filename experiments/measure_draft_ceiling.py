@@ -14,13 +14,9 @@ draw equals the argmax is printed beside E[max p]: the two estimate the same num
 
 The ceiling on tau itself, for a static tree of N nodes per row: a drafter that knew the
 policy's law at every depth of every drafted path (the policy drafting for itself, at no
-cost) proposes, below each accepted path, the children of given ranks in that law. The
-draft is accepted to depth d when the draws' ranks (r_1..r_d) form a path of the tree, so a
-tree is a prefix-closed set of rank paths, and the ranks of the policy's own T=1 answers
-under its laws are Monte Carlo draws of that walk. The accepted depth counts the tree's
-nodes on the draws' path, so the best N-node tree holds the N-1 most frequent rank paths
-(prefix-closed: a path is never more frequent than its prefix); it is chosen on one
-half of the answers and its tau (1 + accepted depth) measured on the other, both ways.
+cost) is a set of rank paths (experiments.rank_trees), and the ranks of the policy's own T=1
+answers under its laws are Monte Carlo draws of its walk. The best N-node tree is chosen on
+one half of the answers and its tau (1 + accepted depth) measured on the other, both ways.
 """
 import json
 import sys
@@ -32,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.rank_trees import RANKS, two_fold_tau
 from specroll_jax import load_policy
 from specroll_jax.model.transformer import padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
@@ -50,47 +47,9 @@ _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 256, 'Tokens per answer at mos
 _DATA = flags.DEFINE_string('data_dir', None, 'Data directory (default ../shared/data).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Task draw and sampling seed.')
 _OUT = flags.DEFINE_string('out_dir', 'results/drafts_w3/ceiling', 'Where results go.')
-RANKS = 8
 ROWS_PER_FORWARD = 8
 BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench_drafts' budgets)
 DEPTHS = (4, 15)       # the heads' and drafter's depth; and as deep as 16 nodes allow
-
-
-def rank_paths(ranks: np.ndarray, depth: int):
-  """Every position's path of draw ranks, as long as the draws stay within the top RANKS,
-  the answer lasts and `depth` allows: tuples of ranks, one per position of `ranks` [L]."""
-  paths = []
-  for i in range(len(ranks)):
-    path = []
-    for r in ranks[i:i + depth]:
-      if r >= RANKS:
-        break
-      path.append(int(r))
-    paths.append(tuple(path))
-  return paths
-
-
-def best_tree(paths, nodes: int) -> set:
-  """The `nodes` - 1 most frequent non-empty path prefixes (ties: shallower first, so the
-  set is prefix-closed)."""
-  counts = {}
-  for path in paths:
-    for d in range(1, len(path) + 1):
-      counts[path[:d]] = counts.get(path[:d], 0) + 1
-  ranked = sorted(counts, key=lambda prefix: (-counts[prefix], len(prefix), prefix))
-  return set(ranked[:nodes - 1])
-
-
-def tree_tau(tree: set, paths) -> float:
-  """Tokens per verification of `tree` on these draws: 1 + the longest accepted prefix."""
-  accepted = [next((d for d in range(len(p), 0, -1) if p[:d] in tree), 0) for p in paths]
-  return 1.0 + float(np.mean(accepted))
-
-
-def two_fold_tau(ranks_by_answer: list, nodes: int, depth: int) -> float:
-  """The best tree chosen on even answers measured on odd ones and the reverse, averaged."""
-  halves = [[p for a in ranks_by_answer[k::2] for p in rank_paths(a, depth)] for k in (0, 1)]
-  return float(np.mean([tree_tau(best_tree(halves[k], nodes), halves[1 - k]) for k in (0, 1)]))
 
 
 @partial(jax.jit, static_argnums=0)

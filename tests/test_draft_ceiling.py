@@ -1,8 +1,8 @@
-"""The static-tree ceiling of experiments.measure_draft_ceiling on hand-made draw ranks."""
+"""Static trees of rank paths (experiments.rank_trees) on hand-made draw ranks."""
 import numpy as np
 import pytest
 
-from experiments.measure_draft_ceiling import RANKS, best_tree, rank_paths, tree_tau
+from experiments.rank_trees import RANKS, best_tree, rank_paths, tree_tau
 
 
 def test_rank_paths_stop_at_a_miss_the_depth_and_the_answer_end():

@@ -1,0 +1,50 @@
+"""Static draft trees as sets of rank paths, measured on the ranks of a policy's own draws.
+
+A drafter that knows the policy's law proposes, below each accepted path, the children of
+given ranks in that law; a T=1 walk accepts to depth d when the draws' ranks (r_1..r_d)
+form a path of the tree. A tree is a prefix-closed set of rank paths, and its accepted
+depth on a draw sequence counts the tree's nodes on the draws' path, so the best N-node
+tree holds the N-1 most frequent rank paths (a path is never more frequent than its prefix).
+Used by experiments.measure_draft_ceiling.
+"""
+import numpy as np
+
+# Ranks at or above this are misses: the policy's top-RANKS is all a law is read to.
+RANKS = 8
+
+
+def rank_paths(ranks: np.ndarray, depth: int):
+  """Every position's path of draw ranks, as long as the draws stay within the top RANKS,
+  the answer lasts and `depth` allows: tuples of ranks, one per position of `ranks` [L]."""
+  paths = []
+  for i in range(len(ranks)):
+    path = []
+    for r in ranks[i:i + depth]:
+      if r >= RANKS:
+        break
+      path.append(int(r))
+    paths.append(tuple(path))
+  return paths
+
+
+def best_tree(paths, nodes: int) -> set:
+  """The `nodes` - 1 most frequent non-empty path prefixes (ties: shallower first, so the
+  set is prefix-closed)."""
+  counts = {}
+  for path in paths:
+    for d in range(1, len(path) + 1):
+      counts[path[:d]] = counts.get(path[:d], 0) + 1
+  ranked = sorted(counts, key=lambda prefix: (-counts[prefix], len(prefix), prefix))
+  return set(ranked[:nodes - 1])
+
+
+def tree_tau(tree: set, paths) -> float:
+  """Tokens per verification of `tree` on these draws: 1 + the longest accepted prefix."""
+  accepted = [next((d for d in range(len(p), 0, -1) if p[:d] in tree), 0) for p in paths]
+  return 1.0 + float(np.mean(accepted))
+
+
+def two_fold_tau(ranks_by_answer: list, nodes: int, depth: int) -> float:
+  """The best tree chosen on even answers measured on odd ones and the reverse, averaged."""
+  halves = [[p for a in ranks_by_answer[k::2] for p in rank_paths(a, depth)] for k in (0, 1)]
+  return float(np.mean([tree_tau(best_tree(halves[k], nodes), halves[1 - k]) for k in (0, 1)]))
