@@ -172,7 +172,7 @@ def main(argv):
     restart_with_large_frees_returned()
   names = list(c.variants) + (['vanilla'] if c.include_vanilla else [])
   runs = {name: [] for name in names}
-  heads_source = Path(c.initial_heads) if c.get('initial_heads') else None
+  heads_source = Path(c.initial_heads) if c.initial_heads else None
   # The CPU's speed drifts over a run of several minutes: repeats alternate the order so
   # that drift falls on every variant alike.
   for repeat in range(c.repeats):

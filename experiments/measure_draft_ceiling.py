@@ -32,6 +32,7 @@ from experiments.rank_trees import RANKS, two_fold_tau
 from specroll_jax import load_policy
 from specroll_jax.model.transformer import padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
+from specroll_jax.rl.grpo import batch_from_rollouts
 from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -65,8 +66,7 @@ def next_token_laws(model_config, params, tokens):
     hits = ids == realised[:, None]
     return probs, jnp.where(hits.any(-1), jnp.argmax(hits, -1), RANKS)
 
-  probs, ranks = map_projected(model_config, params, hidden.reshape(-1, dim), law,
-                                      following)
+  probs, ranks = map_projected(model_config, params, hidden.reshape(-1, dim), law, following)
   return probs.reshape(batch, width, RANKS), ranks.reshape(batch, width)
 
 
@@ -80,14 +80,12 @@ def main(argv):
   driver = Driver(engine, RolloutConfig(_MAX_NEW.value, max_batch=len(prompts),
                                         prompt_bucket_min=run_prompt_width(prompts)))
   responses = driver.generate(engine.params(policy.params), prompts, 1, _SEED.value)
-  width = max(len(p) for p in prompts) + _MAX_NEW.value
-  rows = np.full((len(responses), width), -1, np.int32)
+  batch = batch_from_rollouts([prompts[r.prompt_index] for r in responses],
+                              [r.token_ids for r in responses], [r.logprobs for r in responses],
+                              np.zeros(len(responses)), max(map(len, prompts)) + _MAX_NEW.value)
+  rows = np.asarray(batch.tokens)
   # Positions whose next token is a response token: the last prompt position onwards.
-  span = np.zeros((len(responses), width), bool)
-  for i, r in enumerate(responses):
-    sequence = prompts[r.prompt_index] + r.token_ids
-    rows[i, :len(sequence)] = sequence
-    span[i, len(prompts[r.prompt_index]) - 1:len(sequence) - 1] = True
+  span = np.pad(np.asarray(batch.response_mask)[:, 1:], ((0, 0), (0, 1)))
   masses, ranks_by_answer = [], []
   for start in range(0, len(rows), ROWS_PER_FORWARD):
     probs, ranks = next_token_laws(policy.config, policy.params,

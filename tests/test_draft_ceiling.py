@@ -15,7 +15,8 @@ def test_best_tree_keeps_the_most_frequent_prefixes_and_is_prefix_closed():
   # Prefix counts: (0,) 7, (0, 0) 5, (0, 0, 0) 5, (1,) 3, (1, 0) 3, (0, 1) 2.
   tree = best_tree(paths, nodes=4)
   assert tree == {(0,), (0, 0), (0, 0, 0)}
-  # Accepted depths 3 (x5), 0 (x3), 1 (x2): 1 + 17 / 10.
+  # Accepted depths 3 (x5), 0 (x3), 1 (x2): 1 + 17 / 10, a mean of floats (approx: 2.7 has
+  # no exact binary form; the counts themselves are exact).
   assert tree_tau(tree, paths) == pytest.approx(2.7)
   # A wider tree: (1,) and (1, 0) join, and the (1, 0) draws are accepted to depth 2.
   assert best_tree(paths, nodes=6) == tree | {(1,), (1, 0)}

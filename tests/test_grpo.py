@@ -288,8 +288,10 @@ def test_scoring_only_the_response_span_gives_the_same_loss_gradient_and_harvest
   readable = np.asarray(got[2].valid) & (np.asarray(span_positions(starts, 9, 10)[0]) < 9)
   np.testing.assert_array_equal(np.asarray(got[2].target_ids)[readable],
                                 np.asarray(expected[2].target_ids)[readable])
-  np.testing.assert_allclose(np.asarray(got[2].target_logp)[readable],
-                             np.asarray(expected[2].target_logp)[readable], rtol=0, atol=1e-5)
+  # Top-K log-probs of logits projected in differently shaped GEMMs: a few ulps at most, the
+  # streamed log-prob test's bound (measured: 0 ulps, streamed and whole).
+  np.testing.assert_array_max_ulp(np.asarray(got[2].target_logp)[readable],
+                                  np.asarray(expected[2].target_logp)[readable], maxulp=4)
 
 
 def test_streamed_log_probs_are_the_whole_projection_s(tiny_params, monkeypatch):

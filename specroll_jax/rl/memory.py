@@ -24,6 +24,7 @@ from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_s
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.model.vocab_chunks import rows_per_chunk
 from specroll_jax.rl import grpo, lora
+from specroll_jax.rl.learner import grpo_config
 from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
 GIB = 2 ** 30
@@ -43,11 +44,11 @@ class Workload:
 
   @classmethod
   def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
+    g = grpo_config(c, 0)
     return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
-               micro_batch_rows=c.grpo.micro_batch_size, learner_width=width,
-               lora_rank=c.grpo.lora_rank, lora_targets=c.grpo.lora_targets, heads=heads,
-               stream_logits=c.grpo.stream_logits,
-               scored_width=c.rollout.driver.max_new_tokens + 1)
+               micro_batch_rows=g.micro_batch_size, learner_width=width,
+               lora_rank=g.lora_rank, lora_targets=g.lora_targets, heads=heads,
+               stream_logits=g.stream_logits, scored_width=g.score_span)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,10 @@ def restart_with_large_frees_returned() -> None:
 
   Why: glibc reads the variable at its first allocation, so the setting then covers what
   the interpreter, the imports and the first compilations allocate too, which a call from
-  inside the run cannot reach: the SmolLM2 job's resident set after each step was 8.1-8.4 GB
-  with the call alone and 7.3-7.6 GB started this way (WORKSPACE_NOTES, issue 31).
+  inside the run cannot reach. Measured on the SmolLM2 job (WORKSPACE_NOTES, issue 31): a
+  4-step check started this way held 7.3-7.6 GB after each step against 8.1-8.4 GB with the
+  call alone, but the whole job's peak, set inside its updates, did not fall (8,617 vs
+  8,520 MiB).
   """
   wanted = str(LARGE_ALLOCATION_BYTES)
   if platform.libc_ver()[0] != 'glibc' or os.environ.get(MMAP_THRESHOLD_ENV) == wanted:
