@@ -14,7 +14,7 @@ def get_config():
   c.checkpoint = str(DEFAULT_CHECKPOINT.relative_to(REPO_DIR))
   c.heads_dir = 'workdir/heads_stories260K'  # trained (and cached) here when missing
   c.heads = ml_collections.ConfigDict(dict(
-      prompts='bos', num_heads=4, num_sequences=512, held_out=64, max_new_tokens=256,
+      prompts='bos', num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, max_new_tokens=256,
       steps=800, batch_size=32, seed=0))
   c.prompts = 'story_openings'
   c.chat_template = False

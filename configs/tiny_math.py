@@ -66,7 +66,8 @@ def get_config():
       head_drafts=section(HeadDraftConfig), group=section(GroupDraftConfig),
       gate=section(GateConfig)))
   c.heads = ml_collections.ConfigDict(dict(
-      num_heads=4, num_sequences=512, held_out=64, steps=600, batch_size=32))
+      num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, steps=600,
+      batch_size=32))
   # Head adaptation (rl.head_adaptation.ADAPTATION_MODES): slow = the slow path alone. Reflex
   # (mode=reflex|both) is off: on W1 its gates never open and it costs generation time
   # (WORKSPACE_NOTES, "Issue 15").

@@ -9,15 +9,24 @@ alone when no prompts file is given), runs one policy forward over them for the 
 agreement with the realised tokens: per head top-1 / top-5 before and after training, or
 per drafter depth the top-1 agreement and the policy's probability of the top-1 draft.
 
-The drafter recipe for a real model (SmolLM2-135M-Instruct, GSM8K train questions as chat
-turns; about 25 minutes on a 2-core CPU, what configs/drafts_w3.py runs when its drafter is
-missing):
+The heads recipe for a real model (SmolLM2-135M-Instruct, GSM8K train questions as chat
+turns, an 8,192-token draft vocabulary; about 25 minutes on a 2-core CPU, what
+configs/bench_w3.py and configs/drafts_w3.py run when their heads are missing):
+
+  python -m experiments.train_heads --checkpoint=workdir/models/smollm2-135m-instruct \
+    --gsm8k_train --num_sequences=512 --chat_template --held_out=32 --max_new_tokens=256 \
+    --draft_vocab_size=8192 --steps=300 --batch_size=16 \
+    --out=workdir/heads_smollm2_gsm8k_draft_vocab
+
+The drafter recipe (same data, more of it; about 38 minutes, what configs/drafts_w3.py runs
+when its drafter is missing):
 
   python -m experiments.train_heads --proposer=drafter \
     --checkpoint=workdir/models/smollm2-135m-instruct --gsm8k_train --num_sequences=768 \
     --chat_template --held_out=32 --max_new_tokens=256 --steps=400 --batch_size=16 \
     --learning_rate=2e-3 --out=workdir/drafter_smollm2_gsm8k
 """
+import time
 from pathlib import Path
 
 from absl import app, flags
@@ -48,7 +57,8 @@ flags.DEFINE_integer('max_new_tokens', 256, 'Tokens per generation.')
 flags.DEFINE_float('temperature', 1.0, 'Sampling temperature of the generations.')
 flags.DEFINE_integer('num_heads', 4, 'Horizon heads (the drafter: its depth).')
 flags.DEFINE_integer('draft_vocab_size', 8192,
-                     'Drafter: its frequency-ranked draft vocabulary (0: the whole vocabulary).')
+                     'The frequency-ranked draft vocabulary of the heads or drafter (0, or the '
+                     'policy\'s vocabulary size or more: the whole vocabulary).')
 flags.DEFINE_float('hidden_multiplier', 1.0,
                    'Head (or drafter) block width in units of the hidden size.')
 flags.DEFINE_integer('steps', 800, 'Optimizer steps.')
@@ -78,6 +88,7 @@ def training_prompts(policy) -> list:
 
 def main(argv):
   del argv
+  start = time.perf_counter()
   policy = load_policy(FLAGS.checkpoint)
   prompts = training_prompts(policy)
   plan = distill.WarmStart(num_sequences=FLAGS.num_sequences, held_out=FLAGS.held_out,
@@ -97,12 +108,14 @@ def main(argv):
     return
   heads_config = HeadsConfig(FLAGS.num_heads, FLAGS.hidden_multiplier)
   config = distill.DistillConfig(batch_size=FLAGS.batch_size, steps=FLAGS.steps,
-                                 learning_rate=FLAGS.learning_rate)
+                                 learning_rate=FLAGS.learning_rate,
+                                 draft_vocab_size=FLAGS.draft_vocab_size)
   result = distill.warm_start_and_save(policy, heads_config, config, prompts, plan, FLAGS.out,
                                        source=str(FLAGS.checkpoint))
   report('before', result.rank_hit_rate_before)
   report('after', result.rank_hit_rate_after)
-  print(f'saved heads to {FLAGS.out}')
+  print(f'draft vocabulary: {len(result.heads_config.draft_vocab) or "the whole"} tokens')
+  print(f'saved heads to {FLAGS.out} ({(time.perf_counter() - start) / 60:.1f} min)')
 
 
 if __name__ == '__main__':

@@ -57,7 +57,8 @@ def warm_started_heads(policy, c):
   h = c.heads
   plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
                    max_new_tokens=h.max_new_tokens, temperature=c.temperature, seed=h.seed)
-  distill = DistillConfig(steps=h.steps, batch_size=h.batch_size)
+  distill = DistillConfig(steps=h.steps, batch_size=h.batch_size,
+                          draft_vocab_size=h.draft_vocab_size)
   return ensure_heads(policy, HeadsConfig(h.num_heads), distill, head_training_prompts(policy, c),
                       plan, c.heads_dir, c.checkpoint)
 

@@ -12,9 +12,9 @@ from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.adapt.drafter_training import DrafterTraining, train_drafter
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.sequences import Sequences
+from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary
 from specroll_jax.speculative.drafter import (DRAFTER_CONFIG_FILE, DRAFTER_FILE, DrafterConfig,
-                                       drafter_step, frequency_vocabulary, init_drafter,
-                                       load_drafter, save_drafter)
+                                       drafter_step, init_drafter, load_drafter, save_drafter)
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_parents
 from specroll_jax.speculative.proposer import StepContext, Vocabulary
 

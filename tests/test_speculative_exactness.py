@@ -77,28 +77,28 @@ def proposer_kind(request):
   yield request.param
 
 
-def _slow_path_update(policy, params):
+def _slow_path_update(policy, params, heads_config=HEADS):
   """Heads after one slow-path consolidation (all heads, kept) on the policy's own text."""
   rng = np.random.default_rng(0)
   sequences = [list(rng.integers(1, policy.config.vocab_size, 24)) for _ in range(8)]
   pairs = distill.build_batch(policy.config, policy.params, sequences, 24, 8)
   config = ConsolidationConfig(steps=3, batch_size=4, rollback=False)
-  return consolidation.consolidate(HEADS, policy.config, config, params,
+  return consolidation.consolidate(heads_config, policy.config, config, params,
                                    consolidation.init_optimizer_state(config, params),
                                    policy.params, pairs, np.ones(4, bool), seed=0).params
 
 
-def _heads(policy, kind: str):
-  params = init_heads(HEADS, policy.config, seed=1)
+def _heads(policy, kind: str, heads_config=HEADS):
+  params = init_heads(heads_config, policy.config, seed=1)
   if kind != 'fresh':
     scale = {'random': 0.3, 'bad': 30.0}[kind]
     noise = jax.random.normal(jax.random.key(2), params['w2'].shape) * scale
     params = dict(params, w2=noise)
-  return _slow_path_update(policy, params) if ADAPTIVE else params
+  return _slow_path_update(policy, params, heads_config) if ADAPTIVE else params
 
 
-def _proposer(policy, sampler, branching, oracle=False):
-  proposer = HeadProposer(policy.config, HEADS, HeadDraftConfig(branching), sampler)
+def _proposer(policy, sampler, branching, oracle=False, heads_config=HEADS):
+  proposer = HeadProposer(policy.config, heads_config, HeadDraftConfig(branching), sampler)
   if ADAPTIVE:
     proposer = GroupProposer(GROUP, base=ReflexProposer(proposer, OPEN_REFLEX))
   if not oracle:
@@ -106,13 +106,15 @@ def _proposer(policy, sampler, branching, oracle=False):
   return OracleProposer(len(branching), base=proposer if ADAPTIVE else None)
 
 
-def _engine(policy, tree, sampler, eos, branching=(8, 4, 2, 2), oracle=False, **kwargs):
-  return SpecEngine(policy.config, _proposer(policy, sampler, branching, oracle), tree, sampler,
-                    eos, **kwargs)
+def _engine(policy, tree, sampler, eos, branching=(8, 4, 2, 2), oracle=False, heads_config=HEADS,
+            **kwargs):
+  return SpecEngine(policy.config, _proposer(policy, sampler, branching, oracle, heads_config),
+                    tree, sampler, eos, **kwargs)
 
 
 def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_batch, eos,
-              oracle=False, seed=0, branching=(8, 4, 2, 2), **engine_fields):
+              oracle=False, seed=0, branching=(8, 4, 2, 2), heads_config=HEADS,
+              **engine_fields):
   config = RolloutConfig(max_new_tokens=max_new, max_batch=max_batch)
   vanilla = Driver(VanillaEngine(policy.config, sampler, eos), config).generate(
       policy.params, prompts, num_samples, seed)
@@ -122,7 +124,7 @@ def _run_both(policy, sampler, heads, tree, prompts, num_samples, max_new, max_b
     for i, r in enumerate(vanilla):
       future[i, :len(r.token_ids)] = r.token_ids
     proposer_params = OracleParams(heads if ADAPTIVE else None, jnp.asarray(future))
-  engine = _engine(policy, tree, sampler, eos, branching, oracle, **engine_fields)
+  engine = _engine(policy, tree, sampler, eos, branching, oracle, heads_config, **engine_fields)
   spec = Driver(engine, config).generate(engine.params(policy.params, proposer_params),
                                          prompts, num_samples, seed)
   return vanilla, spec
@@ -232,6 +234,22 @@ def test_sequential_drafter_identical(stories_policy, sampler, capacity):
       policy.params, _encode(policy), 3, 11)
   spec = Driver(engine, config).generate(engine.params(policy.params, params), _encode(policy),
                                          3, 11)
+  _check(vanilla, spec, greedy=sampler.greedy)
+
+
+# Heads over every other token id (a draft vocabulary), alone (static) or corrected by Reflex
+# under group drafts after a slow-path update over that vocabulary (group_adaptive).
+@pytest.mark.parametrize('sampler,capacity', [(SamplerConfig(temperature=0.0), 16),
+                                              (SamplerConfig(temperature=1.0), 64)],
+                         ids=['greedy', 'T=1'])
+def test_draft_vocabulary_heads_identical(stories_policy, sampler, capacity):
+  policy = stories_policy
+  heads_config = dataclasses.replace(
+      HEADS, draft_vocab=tuple(range(0, policy.config.vocab_size, 2)))
+  vanilla, spec = _run_both(policy, sampler, _heads(policy, 'random', heads_config),
+                            TreeConfig(capacity_tokens=capacity, max_nodes=16), _encode(policy),
+                            3, 40, 8, (2,), seed=11, branching=(4, 2, 2),
+                            heads_config=heads_config)
   _check(vanilla, spec, greedy=sampler.greedy)
 
 

@@ -5,6 +5,10 @@ hidden state h_t, and at the horizon position t+k the policy's top-K distributio
 p_{t+k} (the law of token x_{t+k+1}) and the realised token x_{t+k+1}. Head k's loss is
 KL(p_{t+k} || q_{t,k}) over the policy's top-K tokens plus the cross-entropy of the
 realised token, weighted 0.8^k across heads. Only head parameters receive gradients.
+
+Heads with a draft vocabulary (HeadsConfig.draft_vocab) normalise q over it and score only
+the targets inside it: a token they can never draft teaches them nothing. The warm start
+chooses that vocabulary from its training text (DistillConfig.draft_vocab_size).
 """
 import dataclasses
 import sys
@@ -22,9 +26,11 @@ from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
 from specroll_jax.speculative.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
                                      init_heads, load_heads, save_heads)
 from specroll_jax.speculative.pairs import HeadPairs, response_spans, shifted, top_targets
+from specroll_jax.speculative.proposer import Vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +42,10 @@ class DistillConfig:
   weight_decay: float = 0.0
   batch_size: int = 32
   steps: int = 600
+  # The warm start's draft vocabulary: the tokens most frequent as next tokens in its
+  # training generations (0, or the policy's vocabulary size or more: the whole vocabulary).
+  # The slow path keeps the heads' own.
+  draft_vocab_size: int = 0
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -70,7 +80,8 @@ def _horizon_mask(batch: HeadPairs, num_heads: int):
 def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
                     policy_params, batch: HeadPairs):
   """log q_{t,k} at head k's targets: (at the policy's top-K [B, T, H, K], at the realised
-  token [B, T, H], mask [B, T, H] of positions whose horizon t+k+1 is a real token)."""
+  token [B, T, H], mask [B, T, H] of positions whose horizon t+k+1 is a real token, which
+  targets [B, T, H, K + 1] the heads can draft: all of them without a draft vocabulary)."""
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)  # [B, T, H, D]
   num_heads, dim = z.shape[2:]
   # Head k at position t predicts x_{t+k+1}, whose law is the policy's output at t+k.
@@ -79,25 +90,35 @@ def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_p
                                     shifted(batch.tokens, k + 1)[..., None]], axis=-1)
                    for k in horizons], axis=2)  # [B, T, H, K + 1]
   mask = _horizon_mask(batch, num_heads)
-  log_q = map_projected(
-      model_config, policy_params, z.reshape(-1, dim),
-      lambda logits, row_ids: (jnp.take_along_axis(logits, row_ids, axis=-1)
-                               - jax.nn.logsumexp(logits, axis=-1, keepdims=True)),
-      ids.reshape(-1, ids.shape[-1])).reshape(ids.shape)
-  return log_q[..., :-1], log_q[..., -1], mask
+  vocab_ids = heads_config.vocab_ids()
+  if vocab_ids is None:
+    log_q = map_projected(
+        model_config, policy_params, z.reshape(-1, dim),
+        lambda logits, row_ids: (jnp.take_along_axis(logits, row_ids, axis=-1)
+                                 - jax.nn.logsumexp(logits, axis=-1, keepdims=True)),
+        ids.reshape(-1, ids.shape[-1])).reshape(ids.shape)
+    inside = jnp.ones(ids.shape, bool)
+  else:
+    logits = Vocabulary(policy_params, model_config).draft_logits(z, vocab_ids)
+    index, inside = vocabulary_index(vocab_ids, ids)
+    log_q = jnp.where(inside, jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), index,
+                                                  axis=-1), 0.0)
+  return log_q[..., :-1], log_q[..., -1], mask, inside
 
 
 def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
                 policy_params, batch: HeadPairs):
   """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
-  q_at_targets, q_realised, mask = _head_log_probs(heads_config, model_config, head_params,
-                                                   policy_params, batch)
+  q_at_targets, q_realised, mask, inside = _head_log_probs(heads_config, model_config,
+                                                           head_params, policy_params, batch)
   num_heads = mask.shape[2]
   target_logp = jnp.stack([shifted(batch.target_logp, k) for k in range(1, num_heads + 1)],
                           axis=2)  # [B, T, H, K]
-  kl = jnp.sum(jnp.exp(target_logp) * (target_logp - q_at_targets), axis=-1)
+  kl = jnp.sum(jnp.where(inside[..., :-1],
+                         jnp.exp(target_logp) * (target_logp - q_at_targets), 0.0), axis=-1)
   masked_sum = lambda x: jnp.sum(jnp.where(mask, x, 0.0), axis=(0, 1))
-  return masked_sum(kl), masked_sum(-q_realised), jnp.sum(mask, axis=(0, 1))
+  return (masked_sum(kl), masked_sum(jnp.where(inside[..., -1], -q_realised, 0.0)),
+          jnp.sum(mask, axis=(0, 1)))
 
 
 def distill_loss(heads_config, model_config, config: DistillConfig, head_params, policy_params,
@@ -133,9 +154,14 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
   """
   z = apply_heads(heads_config, model_config, head_params, batch.hidden)
   batch_size, width, num_heads, dim = z.shape
-  guesses = map_projected(model_config, policy_params, z.reshape(-1, dim),
-                          lambda logits: jax.lax.top_k(logits, ranks)[1])
-  guesses = guesses.reshape(batch_size, width, num_heads, ranks)
+  vocab_ids = heads_config.vocab_ids()
+  if vocab_ids is None:
+    guesses = map_projected(model_config, policy_params, z.reshape(-1, dim),
+                            lambda logits: jax.lax.top_k(logits, ranks)[1])
+    guesses = guesses.reshape(batch_size, width, num_heads, ranks)
+  else:
+    logits = Vocabulary(policy_params, model_config).draft_logits(z, vocab_ids)
+    guesses = vocab_ids[jax.lax.top_k(logits, ranks)[1]]
   horizons = range(1, num_heads + 1)
   realised = jnp.stack([shifted(batch.tokens, k + 1) for k in horizons], axis=2)
   mask = _horizon_mask(batch, num_heads)
@@ -195,6 +221,7 @@ class WarmStart:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartResult:
+  heads_config: HeadsConfig  # with the draft vocabulary the warm start chose
   params: dict
   loss: float
   rank_hit_rate_before: np.ndarray  # [H, ranks] on held-out generations
@@ -226,8 +253,13 @@ def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[HeadP
 
 def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
                plan: WarmStart, report_ranks: int = 8) -> WarmStartResult:
-  """Samples the policy's own generations and self-distils fresh heads on them."""
+  """Samples the policy's own generations and self-distils fresh heads on them (over a
+  draft vocabulary of config.draft_vocab_size, chosen from the training generations)."""
   train, held = generated_pairs(policy, prompts, plan, config.target_top_k)
+  vocab_size = policy.config.vocab_size
+  if 0 < config.draft_vocab_size < vocab_size:
+    heads_config = dataclasses.replace(heads_config, draft_vocab=tuple(frequency_vocabulary(
+        train.tokens, train.valid, config.draft_vocab_size, vocab_size)))
 
   def rates(params):
     hits, counts = rank_hits(heads_config, policy.config, params, policy.params, report_ranks,
@@ -236,7 +268,7 @@ def warm_start(policy, heads_config: HeadsConfig, config: DistillConfig, prompts
 
   before = rates(init_heads(heads_config, policy.config, plan.seed))
   params, loss = train_heads(policy, heads_config, config, train, plan.seed)
-  return WarmStartResult(params, loss, before, rates(params))
+  return WarmStartResult(heads_config, params, loss, before, rates(params))
 
 
 def warm_start_and_save(policy, heads_config: HeadsConfig, config: DistillConfig, prompts,
@@ -244,7 +276,7 @@ def warm_start_and_save(policy, heads_config: HeadsConfig, config: DistillConfig
   """`warm_start`, then the heads and how they were made (HeadsMetadata) into `directory`;
   `source` names the policy they were trained on."""
   result = warm_start(policy, heads_config, config, prompts, plan)
-  save_heads(directory, heads_config, result.params, HeadsMetadata(
+  save_heads(directory, result.heads_config, result.params, HeadsMetadata(
       source=source, num_sequences=plan.num_sequences, max_new_tokens=plan.max_new_tokens,
       temperature=plan.temperature, steps=config.steps, final_loss=result.loss,
       rank_hit_rate=result.rank_hit_rate_after.tolist()))

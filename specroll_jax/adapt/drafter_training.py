@@ -21,9 +21,9 @@ import optax
 from specroll_jax.adapt.distill import WarmStart, generated_pairs, optax_loop
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import Transformer
+from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
-                                       drafter_step, frequency_vocabulary, init_drafter,
-                                       save_drafter)
+                                       drafter_step, init_drafter, save_drafter)
 from specroll_jax.speculative.pairs import HeadPairs, shifted
 
 
@@ -50,12 +50,6 @@ def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: D
   return out
 
 
-def _in_draft_vocab(vocab_ids, ids):
-  """(index of each id in the sorted draft vocabulary, whether it is there)."""
-  index = jnp.clip(jnp.searchsorted(vocab_ids, ids), 0, vocab_ids.shape[0] - 1)
-  return index, vocab_ids[index] == ids
-
-
 def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
                  policy_params, batch: HeadPairs):
   """Per depth (soft cross-entropy sum, positions): depth d at t is scored where x_{t+d} is a
@@ -63,7 +57,7 @@ def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: Draft
   losses, counts = [], []
   for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
                            start=1):
-    index, inside = _in_draft_vocab(params.vocab_ids, shifted(batch.target_ids, d))
+    index, inside = vocabulary_index(params.vocab_ids, shifted(batch.target_ids, d))
     p = jnp.exp(shifted(batch.target_logp, d))
     ce = -jnp.sum(jnp.where(inside, p * jnp.take_along_axis(logq, index, axis=-1), 0.0), -1)
     mask = batch.valid & shifted(batch.valid, d)

@@ -38,7 +38,8 @@ def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Pat
                    max_new_tokens=c.rollout.driver.max_new_tokens,
                    temperature=c.rollout.sampler.temperature, seed=c.seed)
   heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads),
-                                      DistillConfig(steps=h.steps, batch_size=h.batch_size),
+                                      DistillConfig(steps=h.steps, batch_size=h.batch_size,
+                                                    draft_vocab_size=h.draft_vocab_size),
                                       prompts, plan, directory, str(source))
   return heads_config, params, directory
 

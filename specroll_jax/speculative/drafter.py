@@ -23,7 +23,6 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from safetensors import SafetensorError
 from safetensors.flax import load_file
@@ -31,10 +30,10 @@ from safetensors.flax import load_file
 from specroll_jax.model.checkpoint import (save_record_and_tensors, unflatten_tensors,
                                            unreadable)
 from specroll_jax.model.config import ModelConfig
+from specroll_jax.speculative.draft_vocabulary import VOCAB_TENSOR, check_vocabulary
 
 DRAFTER_FILE = 'drafter.safetensors'
 DRAFTER_CONFIG_FILE = 'drafter_config.json'
-VOCAB_TENSOR = 'draft_vocab'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +94,6 @@ def init_drafter(config: DrafterConfig, model_config: ModelConfig, vocab_ids,
 
 def drafter_step(config: DrafterConfig, model_config: ModelConfig, weights, z, embedded):
   return DrafterBlock(config, model_config).apply({'params': weights}, z, embedded)
-
-
-def frequency_vocabulary(tokens, valid, size: int, vocab_size: int) -> np.ndarray:
-  """The `size` ids most frequent among the valid `tokens` (ties: lower id first), ascending;
-  ids never seen fill the rest by id, so the vocabulary always has `size` entries."""
-  counts = np.bincount(np.asarray(tokens)[np.asarray(valid)].ravel(), minlength=vocab_size)
-  ranked = np.lexsort((np.arange(vocab_size), -counts[:vocab_size]))
-  return np.sort(ranked[:size]).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +165,8 @@ def load_drafter(directory, model_config: ModelConfig) -> tuple[DrafterConfig, D
   except SafetensorError as e:
     raise unreadable(weights_path, e) from None
   vocab_ids = tensors.pop(VOCAB_TENSOR, None)
-  want_vocab = config.vocab_size(model_config)
-  if vocab_ids is None or vocab_ids.shape != (want_vocab,):
-    shape = None if vocab_ids is None else tuple(vocab_ids.shape)
-    raise ValueError(f'{weights_path}: tensor {VOCAB_TENSOR!r} has shape {shape}, the config '
-                     f'needs ({want_vocab},)')
-  if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= model_config.vocab_size:
-    raise ValueError(f'{weights_path}: tensor {VOCAB_TENSOR!r} holds ids outside this policy\'s '
-                     f'vocabulary of {model_config.vocab_size}')
+  check_vocabulary(vocab_ids, config.vocab_size(model_config), model_config.vocab_size,
+                   weights_path)
   expected = jax.eval_shape(lambda: init_drafter(config, model_config, vocab_ids).weights)
   weights = unflatten_tensors(tensors, expected, weights_path, model_config)
   return config, DrafterParams(weights=weights, vocab_ids=jnp.asarray(vocab_ids, jnp.int32))

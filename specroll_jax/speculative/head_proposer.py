@@ -144,8 +144,11 @@ class HeadProposer(Proposer):
 
   def guesses(self, z, context: StepContext) -> HeadGuesses:
     levels = z.shape[1]
-    probs, tokens = jax.lax.top_k(sampling.distribution(context.vocab.logits(z), self.sampler),
-                                  self.draft.top_k)
+    vocab_ids = self.heads_config.vocab_ids()
+    logits = context.vocab.draft_logits(z, vocab_ids)
+    probs, tokens = jax.lax.top_k(sampling.distribution(logits, self.sampler), self.draft.top_k)
+    if vocab_ids is not None:
+      tokens = vocab_ids[tokens]
     pad = lambda x: jnp.pad(x, ((0, 0), (0, self.depth - levels), (0, 0)))
     proposed = ~context.seqs.done[:, None] & (jnp.arange(self.depth) < levels)[None, :]
     return HeadGuesses(tokens=pad(tokens.astype(jnp.int32)), probs=pad(probs),

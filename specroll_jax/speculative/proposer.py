@@ -71,6 +71,13 @@ class Vocabulary:
     return Transformer(self.config).apply({'params': self.params}, ids,
                                           method=Transformer.vocab_rows)
 
+  def draft_logits(self, hidden, vocab_ids) -> jax.Array:
+    """float32 logits [..., V_d] of hidden states over a draft vocabulary's rows only, or
+    over the whole vocabulary when `vocab_ids` is None."""
+    if vocab_ids is None:
+      return self.logits(hidden)
+    return hidden.astype(jnp.float32) @ self.rows(vocab_ids).T
+
   def embed(self, ids) -> jax.Array:
     """The policy's input embeddings of tokens (what a drafter reads its last token as)."""
     return Transformer(self.config).apply({'params': self.params}, ids,
