@@ -28,7 +28,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import drafter_metadata
-from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.engine import SpecEngine
 from specroll_jax.speculative.factory import head_proposer
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
@@ -51,7 +51,7 @@ def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter) 
                        HeadDraftConfig(tuple(c.branching)))
   built = {'heads': (head, heads),
            'drafter': (DrafterProposer(policy.config, drafter_config,
-                                       tuple(c.drafter_branching), sampler), drafter)}
+                                       spine_paths(c.drafter_branching), sampler), drafter)}
   group = build(GroupDraftConfig, c.group, 'group')
   for name, base in GROUPED.items():
     built[name] = (GroupProposer(group, base=built[base][0]), built[base][1])

@@ -41,7 +41,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.engine import SpecEngine
 from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, init_drafter
-from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.speculative.heads import HeadsConfig, init_heads
@@ -174,7 +174,7 @@ def _proposer(case: Case, config: ModelConfig):
   if case.proposer.startswith('drafter'):
     drafter = DrafterConfig(depth=len(case.branching), hidden_multiplier=1.0,
                             draft_vocab_size=config.vocab_size // 2)
-    proposer = DrafterProposer(config, drafter, case.branching, case.sampler)
+    proposer = DrafterProposer(config, drafter, spine_paths(case.branching), case.sampler)
     if case.proposer == 'drafter_group':
       proposer = GroupProposer(GROUP, base=proposer)
     return proposer, _drafter_params(case, config, drafter)

@@ -13,7 +13,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import DrafterConfig, has_drafter, load_drafter
-from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.factory import head_proposer, make_engine
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
@@ -73,7 +73,8 @@ class Drafts:
 
   def proposer(self, policy, c, sampler):
     if self.kind == 'drafter':
-      return DrafterProposer(policy.config, self.config, tuple(c.drafter_branching), sampler)
+      return DrafterProposer(policy.config, self.config, spine_paths(c.drafter_branching),
+                             sampler)
     return head_proposer(policy, self.config, c.heads_dir, sampler,
                          HeadDraftConfig(tuple(c.branching)))
 

@@ -15,7 +15,7 @@ from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary
 from specroll_jax.speculative.drafter import (DRAFTER_CONFIG_FILE, DRAFTER_FILE, DrafterConfig,
                                        drafter_step, init_drafter, load_drafter, save_drafter)
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_parents
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, TreeLayout, spine_paths
 from specroll_jax.speculative.proposer import StepContext, Vocabulary
 
 CONFIG = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=128)
@@ -30,12 +30,13 @@ def test_frequency_vocabulary_keeps_the_most_frequent_ids_sorted():
 
 def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
   policy = stories_policy
-  assert spine_parents((3, 2, 1)) == (-1, -1, -1, 0, 0, 3)
+  assert TreeLayout.build(spine_paths((3, 2, 1))).parent == (-1, -1, -1, 0, 0, 3)
   vocab_ids = np.arange(0, policy.config.vocab_size, 4)
   params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
   params = params.replace(weights=jax.tree.map(
       lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params.weights))
-  proposer = DrafterProposer(policy.config, CONFIG, (3, 2, 1), SamplerConfig(temperature=1.0))
+  proposer = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 1)),
+                             SamplerConfig(temperature=1.0))
   assert proposer.num_candidates == 6 and proposer.depth == 3
   batch = 2
   hidden = jax.random.normal(jax.random.key(2), (batch, policy.config.hidden_size))
@@ -57,12 +58,47 @@ def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
   np.testing.assert_array_equal(np.asarray(candidates.tokens[:, 3]), best2)
   # The static layout survives tracing: a proposer traced in two programs (the engine's loop
   # and a pricing loop) proposes the same candidates in both.
-  fresh = DrafterProposer(policy.config, CONFIG, (3, 2, 1), SamplerConfig(temperature=1.0))
+  fresh = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 1)),
+                             SamplerConfig(temperature=1.0))
   for program in (jax.jit(lambda c: fresh.propose(params, None, c, 2).candidates.tokens),
                   jax.jit(lambda c: fresh.propose(params, None, c, 2).candidates.tokens + 0)):
     np.testing.assert_array_equal(np.asarray(program(context)), np.asarray(candidates.tokens))
   with pytest.raises(ValueError, match='exceeds the drafter'):
-    DrafterProposer(policy.config, CONFIG, (2, 2, 2, 2), SamplerConfig())
+    DrafterProposer(policy.config, CONFIG, spine_paths((2, 2, 2, 2)), SamplerConfig())
+
+
+def test_branched_tree_expands_lower_ranks_with_their_own_tokens(stories_policy):
+  """A tree that leaves the spine: (1, 0) is the best guess after depth 1's second-ranked
+  token, drafted from the block's state after that token, not after the best guess."""
+  policy = stories_policy
+  paths = ((0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (0, 0, 0), (1, 0, 0))
+  layout = TreeLayout.build(reversed(paths))  # any order in, parents first out
+  assert layout.paths == paths and layout.parent == (-1, -1, -1, 0, 1, 1, 3, 4)
+  assert [list(e) for e in layout.expanded] == [[0, 1], [3, 4]]
+  vocab_ids = np.arange(0, policy.config.vocab_size, 4)
+  params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
+  params = params.replace(weights=jax.tree.map(
+      lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params.weights))
+  proposer = DrafterProposer(policy.config, CONFIG, paths, SamplerConfig(temperature=1.0))
+  batch = 2
+  hidden = jax.random.normal(jax.random.key(2), (batch, policy.config.hidden_size))
+  seqs = Sequences.empty(jnp.arange(batch), jnp.ones(batch, jnp.int32),
+                         jnp.full(batch, 8, jnp.int32), 8, jnp.zeros(batch, bool))
+  vocab = Vocabulary(policy.params, policy.config)
+  context = StepContext(hidden, jnp.array([5, 9]), seqs, vocab)
+  tokens = np.asarray(proposer.propose(params, proposer.init(None, seqs), context,
+                                       levels=3).candidates.tokens)
+  rows = vocab.rows(jnp.asarray(vocab_ids))
+  ranked = lambda z: vocab_ids[np.argsort(-np.asarray(z @ rows.T), axis=-1, kind='stable')]
+  step = lambda z, token: drafter_step(CONFIG, policy.config, params.weights, z,
+                                       vocab.embed(jnp.asarray(token)))
+  z1 = step(hidden, context.root)
+  np.testing.assert_array_equal(tokens[:, :3], ranked(z1)[:, :3])
+  z_second = step(z1, tokens[:, 1])  # the state after depth 1's rank-1 token
+  np.testing.assert_array_equal(tokens[:, 4:6], ranked(z_second)[:, :2])
+  np.testing.assert_array_equal(tokens[:, 7], ranked(step(z_second, tokens[:, 4]))[:, 0])
+  with pytest.raises(ValueError, match='not prefix-closed'):
+    TreeLayout.build(((0,), (1, 0)))
 
 
 def test_soft_target_training_lowers_held_out_loss(stories_policy):

@@ -30,7 +30,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
-from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.engine import SpecEngine
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
@@ -217,14 +217,16 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
                          ids=['greedy', 'T=1'])
 def test_sequential_drafter_identical(stories_policy, sampler, capacity):
   """The drafter alone (static) or under group drafts (group_adaptive), over half the
-  vocabulary with a block whose output is noise: it proposes, it is rarely right."""
+  vocabulary with a block whose output is noise: it proposes, it is rarely right. Its tree
+  leaves the spine below depth 1's second guess, so a depth expands two candidates."""
   policy = stories_policy
   drafter = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=256)
   params = init_drafter(drafter, policy.config, np.arange(0, policy.config.vocab_size, 2), 1)
   down = params.weights['down']['kernel']
   params = params.replace(weights=dict(params.weights, down={
       'kernel': jax.random.normal(jax.random.key(3), down.shape) * 0.3}))
-  proposer = DrafterProposer(policy.config, drafter, (4, 2, 2), sampler)
+  proposer = DrafterProposer(policy.config, drafter,
+                             spine_paths((4, 2, 2)) + ((1, 0), (1, 1), (1, 0, 0)), sampler)
   if ADAPTIVE:
     proposer = GroupProposer(GROUP, base=proposer)
   engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=capacity,

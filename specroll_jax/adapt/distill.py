@@ -12,6 +12,7 @@ chooses that vocabulary from its training text (DistillConfig.draft_vocab_size).
 """
 import dataclasses
 import sys
+import time
 from functools import partial
 
 import jax
@@ -275,11 +276,12 @@ def warm_start_and_save(policy, heads_config: HeadsConfig, config: DistillConfig
                         plan: WarmStart, directory, source: str) -> WarmStartResult:
   """`warm_start`, then the heads and how they were made (HeadsMetadata) into `directory`;
   `source` names the policy they were trained on."""
+  start = time.perf_counter()
   result = warm_start(policy, heads_config, config, prompts, plan)
   save_heads(directory, result.heads_config, result.params, HeadsMetadata(
       source=source, num_sequences=plan.num_sequences, max_new_tokens=plan.max_new_tokens,
       temperature=plan.temperature, steps=config.steps, final_loss=result.loss,
-      rank_hit_rate=result.rank_hit_rate_after.tolist()))
+      rank_hit_rate=result.rank_hit_rate_after.tolist(), seconds=time.perf_counter() - start))
   return result
 
 

@@ -1,18 +1,24 @@
-"""The sequential drafter as a proposer: a spine of top-k candidates, one depth at a time.
+"""The sequential drafter as a proposer: a static tree of rank paths, one depth at a time.
 
-Depth 1 drafts from (h_t, root); depth d + 1 from the drafter's state after its best guess
-at depth d. The candidates are the top `branching[d-1]` tokens of each depth, all hung
-below the previous depth's best guess (the spine), so the tree's shape is static and the
-drafter runs `levels` block steps and projections per tree step whatever the node budget.
-A child of a lower-ranked candidate would need its own block step per rank: more proposing
-cost for children the tree builder seldom keeps (their path scores multiply a lower rank's
-probability).
+The candidates are a prefix-closed set of rank paths (r_1, ..., r_d): the candidate (r_1..r_d)
+is the rank-r_d token of the drafter's law after the path (r_1..r_{d-1}). Each candidate with
+children costs one block step, z = f(z_parent, e(its token)), and one projection; the root's
+state is f(h_t, e(root)). All expanded candidates of a depth run as one batch of block steps,
+so the drafter runs `levels` block steps and projections per tree step whatever the tree.
+
+The spine (`spine_paths`) hangs each depth's top-k below the previous depth's best guess:
+one block step per depth, the cheapest tree. At T = 1 the best guess carries ~0.3 of the
+policy's mass on SmolLM2 (WORKSPACE_NOTES, issue 29), so most accepted paths leave the spine
+after their first step; a tree chosen from the drafter's own held-out rank paths
+(experiments.measure_drafter_trees) expands the lower ranks that are drawn often enough.
+Its shape stays static, so the tree builder, group drafts and the walk see fixed parents.
 
 An edge's score is the drafter's own probability of the token under the sampler: the
 drafter is trained to match the policy's distribution at that position, so it is the
 estimated chance that the verifier draws it. Per-(depth, rank) verifier statistics are kept
-per row (HeadStats) for reports; the heads' scores blend in those online rates because heads
-that cannot see the root are miscalibrated by construction, the drafter's are not.
+per row (HeadStats, for reports) along the first expanded candidate of each depth (the
+spine's best-guess path); the heads' scores blend in those online rates because heads that
+cannot see the root are miscalibrated by construction, the drafter's are not.
 
 Reflex does not apply: it corrects a head's output for a fixed horizon from delayed
 feedback, while the drafter's depth-d state depends on the tokens drafted before it, so a
@@ -34,81 +40,127 @@ from specroll_jax.speculative.head_proposer import HeadGuesses, HeadStats
 from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
 
 
-def spine_parents(branching) -> tuple:
-  """Static parents of the spine: depth d's candidates hang below depth d-1's first one."""
-  parent, first = [], -1
-  for width in branching:
-    start = len(parent)
-    parent.extend([first] * width)
-    first = start
-  return tuple(parent)
+def spine_paths(branching) -> tuple:
+  """The spine's rank paths: depth d's top branching[d-1] below depth d-1's best guess."""
+  return tuple((0,) * d + (r,) for d, width in enumerate(branching) for r in range(width))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLayout:
+  """Static index arrays of a rank-path tree (numpy: constants in every trace)."""
+  paths: tuple          # [C] rank paths, shallower first (parents before children)
+  parent: tuple         # [C] parent candidate, -1 below the root
+  expanded: tuple       # [depth] per depth d >= 1, the candidates of depth d with children
+  slot: np.ndarray      # [C] index of the candidate's parent among its depth's expanded ones
+  rank: np.ndarray      # [C] rank of the candidate in its parent's law
+  depth: np.ndarray     # [C] 1..depth
+  top_k: np.ndarray     # [depth] ranks read from each depth's laws (max rank + 1)
+  # [depth] per depth d >= 1, the slot of each expanded candidate's parent at depth d - 1.
+  expanded_slot: tuple
+
+  @classmethod
+  def build(cls, paths) -> 'TreeLayout':
+    paths = tuple(sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p)))
+    if not paths or min(map(len, paths)) < 1 or min(min(p) for p in paths) < 0:
+      raise ValueError(f'a drafter tree needs non-empty rank paths of ranks >= 0, got {paths}')
+    index = {p: i for i, p in enumerate(paths)}
+    missing = [p for p in paths if len(p) > 1 and p[:-1] not in index]
+    if missing:
+      raise ValueError(f'drafter tree paths are not prefix-closed: {missing[0]} has no parent')
+    depth = max(map(len, paths))
+    parents_of = {p[:-1] for p in paths if len(p) > 1}
+    expanded = tuple(tuple(i for i, p in enumerate(paths) if len(p) == d and p in parents_of)
+                     for d in range(1, depth))
+    slot_of = {(): 0}
+    for level in expanded:
+      slot_of.update({paths[i]: s for s, i in enumerate(level)})
+    return cls(
+        paths=paths, parent=tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths),
+        expanded=expanded, slot=np.array([slot_of[p[:-1]] for p in paths], np.int32),
+        rank=np.array([p[-1] for p in paths], np.int32),
+        depth=np.array([len(p) for p in paths], np.int32),
+        top_k=np.array([1 + max(p[-1] for p in paths if len(p) == d)
+                        for d in range(1, depth + 1)], np.int32),
+        expanded_slot=tuple(np.array([slot_of[paths[i][:-1]] for i in level], np.int32)
+                            for level in expanded))
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterProposer(Proposer):
   model_config: ModelConfig
   config: DrafterConfig
-  branching: tuple  # candidates per depth along the spine; len(branching) = tree depth
+  paths: tuple  # the tree's rank paths (spine_paths for the spine)
   sampler: sampling.SamplerConfig
 
   def __post_init__(self):
-    if not self.branching or min(self.branching) < 1:
-      raise ValueError(f'branching must be non-empty positive ints, got {self.branching}')
-    if len(self.branching) > self.config.depth:
-      raise ValueError(f'tree depth {len(self.branching)} (len(branching)) exceeds the '
-                       f'drafter\'s trained depth {self.config.depth}')
+    layout = TreeLayout.build(self.paths)
+    object.__setattr__(self, 'paths', layout.paths)
+    if int(layout.depth.max()) > self.config.depth:
+      raise ValueError(f'tree depth {int(layout.depth.max())} exceeds the drafter\'s trained '
+                       f'depth {self.config.depth}')
+
+  @cached_property
+  def layout(self) -> TreeLayout:
+    return TreeLayout.build(self.paths)
 
   @property
   def depth(self) -> int:
-    return len(self.branching)
+    return int(self.layout.depth.max())
 
   @property
   def num_candidates(self) -> int:
-    return sum(self.branching)
-
-  @cached_property
-  def _layout(self):
-    """(depth index [C], rank [C]) of each spine candidate: numpy, static across traces."""
-    depth = [d for d, width in enumerate(self.branching) for _ in range(width)]
-    rank = [r for width in self.branching for r in range(width)]
-    return np.asarray(depth), np.asarray(rank)
+    return len(self.paths)
 
   def init(self, prompt_tokens, seqs) -> HeadStats:
     del prompt_tokens
-    return HeadStats.zeros(seqs.done.shape[0], self.depth, max(self.branching))
+    return HeadStats.zeros(seqs.done.shape[0], self.depth, int(self.layout.top_k.max()))
 
-  def guesses(self, params: DrafterParams, context: StepContext, levels: int) -> HeadGuesses:
-    """Each depth's top tokens along the spine, zero below `levels`."""
-    top_k = max(self.branching)
-    draft_rows = context.vocab.rows(params.vocab_ids)  # [V_d, D]
-    z, token = context.hidden, context.root
-    tokens, probs = [], []
-    for _ in range(levels):
-      z = drafter_step(self.config, self.model_config, params.weights, z,
-                       context.vocab.embed(token))
-      p, index = jax.lax.top_k(sampling.distribution(z @ draft_rows.T, self.sampler), top_k)
-      ids = params.vocab_ids[index]
-      tokens.append(ids)
-      probs.append(p)
-      token = ids[:, 0]
-    pad = lambda x: jnp.pad(jnp.stack(x, axis=1), ((0, 0), (0, self.depth - levels), (0, 0)))
-    proposed = ~context.seqs.done[:, None] & (jnp.arange(self.depth) < levels)[None, :]
-    return HeadGuesses(tokens=pad(tokens), probs=pad(probs), proposed=proposed)
+  def _laws(self, params: DrafterParams, context: StepContext, levels: int):
+    """Per depth d <= levels, the top tokens and probabilities of the laws of depth d - 1's
+    expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs)."""
+    layout, draft_rows = self.layout, context.vocab.rows(params.vocab_ids)  # [V_d, D]
+    z = drafter_step(self.config, self.model_config, params.weights, context.hidden,
+                     context.vocab.embed(context.root))[:, None]  # [B, 1, D]
+    laws = []
+    for d in range(levels):
+      k = int(layout.top_k[d])
+      p, index = jax.lax.top_k(sampling.distribution(z @ draft_rows.T, self.sampler), k)
+      laws.append((params.vocab_ids[index], p))
+      if d + 1 == levels or d >= len(layout.expanded) or not layout.expanded[d]:
+        break
+      level = np.asarray(layout.expanded[d])
+      tokens = laws[d][0][:, layout.expanded_slot[d], layout.rank[level]]  # [B, E_d]
+      z = drafter_step(self.config, self.model_config, params.weights,
+                       z[:, layout.expanded_slot[d]], context.vocab.embed(tokens))
+    return laws
 
   def propose(self, params: DrafterParams, state: HeadStats, context: StepContext,
               levels: int) -> Proposal:
     del state
-    guesses = self.guesses(params, context, levels)
-    depth, rank = self._layout
-    return Proposal(candidates=Candidates(tokens=guesses.tokens[:, depth, rank],
-                                          scores=guesses.probs[:, depth, rank],
-                                          parent=spine_parents(self.branching)),
-                    record=guesses)
+    layout, batch = self.layout, context.root.shape[0]
+    laws = self._laws(params, context, levels)
+    tokens = jnp.zeros((batch, self.num_candidates), jnp.int32)
+    scores = jnp.zeros((batch, self.num_candidates), jnp.float32)
+    top_k = int(layout.top_k.max())
+    first_tokens, first_probs = [], []
+    for d, (ids, p) in enumerate(laws, start=1):
+      at = np.flatnonzero(layout.depth == d)
+      tokens = tokens.at[:, at].set(ids[:, layout.slot[at], layout.rank[at]])
+      scores = scores.at[:, at].set(p[:, layout.slot[at], layout.rank[at]])
+      pad = ((0, 0), (0, top_k - ids.shape[-1]))
+      first_tokens.append(jnp.pad(ids[:, 0], pad))
+      first_probs.append(jnp.pad(p[:, 0], pad))
+    rows = lambda x: jnp.pad(jnp.stack(x, axis=1), ((0, 0), (0, self.depth - len(laws)), (0, 0)))
+    proposed = ~context.seqs.done[:, None] & (jnp.arange(self.depth) < len(laws))[None, :]
+    record = HeadGuesses(tokens=rows(first_tokens), probs=rows(first_probs), proposed=proposed)
+    return Proposal(candidates=Candidates(tokens=tokens, scores=scores,
+                                          parent=self.layout.parent),
+                    record=record)
 
   def observe(self, params, state: HeadStats, context, proposal: Proposal,
               feedback: Feedback) -> HeadStats:
     del params, context
-    return state.record(proposal.record, feedback, self.branching)
+    return state.record(proposal.record, feedback, tuple(int(k) for k in self.layout.top_k))
 
   def row_stats(self, state: HeadStats) -> HeadStats:
     return state

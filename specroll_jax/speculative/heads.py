@@ -93,6 +93,7 @@ class HeadsMetadata:
   steps: int              # optimizer steps
   final_loss: float
   rank_hit_rate: tuple    # [H][ranks] held-out rate at which head k's rank-r token was realised
+  seconds: float | None = None  # generation, targets and training, wall clock (None: not timed)
 
   def __post_init__(self):
     object.__setattr__(self, 'rank_hit_rate',
