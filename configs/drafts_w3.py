@@ -23,7 +23,11 @@ def get_config():
   c.responses = (1, 16)             # responses in flight
   # (nodes, responses) cells also measured greedy; the rest run at c.temperature.
   c.greedy_cells = ((16, 1), (4, 16))
-  c.proposers = ('heads', 'drafter', 'heads_group', 'oracle')
+  c.proposers = ('heads', 'drafter', 'drafter_tree', 'heads_group', 'oracle')
+  # The drafter's rank-path tree per budget, chosen on its own ranks over answers to GSM8K
+  # train questions it was not trained on:
+  #   python -m experiments.measure_drafter_trees --trees_out_dir=results/drafts_w3/drafter_trees
+  c.drafter_trees = 'results/drafts_w3/drafter_trees/results.json'
   c.cost_nodes = 16                 # the tree at which proposing costs are priced (1 row)
   c.out_dir = 'results/drafts_w3'
   return c

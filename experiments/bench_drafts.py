@@ -5,9 +5,11 @@
 For each cell (nodes per row, responses in flight, sampler) every proposer's engine runs
 the same held-out prompts and seed as vanilla with every step a tree of that many nodes
 (no gate, no sizing), and its tau (tokens per row step) is recorded with whether its
-responses are vanilla's. Proposers: the warm-started heads, the sequential drafter, either
-under group drafts, and the oracle (vanilla's own future as a chain as deep as the heads'
-trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
+responses are vanilla's. Proposers: the warm-started heads, the sequential drafter on its
+spine ('drafter') or on the rank-path tree chosen for that budget from its own held-out
+ranks ('drafter_tree', c.drafter_trees from experiments.measure_drafter_trees), heads or
+drafter under group drafts, and the oracle (vanilla's own future as a chain as deep as the
+heads' trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
 proposer's `propose` timed alone against the vanilla step; and each tree step's whole
 price. Writes results.json and README.md to out_dir.
 """
@@ -45,13 +47,29 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafts_w3.py')
 GROUPED = {'heads_group': 'heads', 'drafter_group': 'drafter'}
 
 
-def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter) -> dict:
-  """name -> (proposer, its parameters); the oracle's come with each cell's reference."""
+def drafter_tree(c, nodes: int) -> tuple:
+  """The rank paths chosen for `nodes` nodes per row (experiments.measure_drafter_trees)."""
+  path = Path(c.drafter_trees)
+  if not path.is_file():
+    raise FileNotFoundError(f'{path}: not found (run experiments.measure_drafter_trees)')
+  trees = json.loads(path.read_text())['trees']
+  if str(nodes) not in trees:
+    raise ValueError(f'{path}: no tree for {nodes} nodes (it has {", ".join(trees)})')
+  return tuple(tuple(p) for p in trees[str(nodes)])
+
+
+def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter,
+              nodes: int) -> dict:
+  """name -> (proposer, its parameters) for trees of `nodes` nodes; the oracle's parameters
+  come with each cell's reference."""
   head = head_proposer(policy, heads_config, c.heads_dir, sampler,
                        HeadDraftConfig(tuple(c.branching)))
   built = {'heads': (head, heads),
            'drafter': (DrafterProposer(policy.config, drafter_config,
                                        spine_paths(c.drafter_branching), sampler), drafter)}
+  if 'drafter_tree' in c.proposers:
+    built['drafter_tree'] = (DrafterProposer(policy.config, drafter_config,
+                                             drafter_tree(c, nodes), sampler), drafter)
   group = build(GroupDraftConfig, c.group, 'group')
   for name, base in GROUPED.items():
     built[name] = (GroupProposer(group, base=built[base][0]), built[base][1])
@@ -171,21 +189,22 @@ def main(argv):
   samplers = {'t1': SamplerConfig(temperature=c.temperature),
               'greedy': SamplerConfig(temperature=0.0)}
   # Prices first: they are timings, and the cells after them only count tokens and steps.
-  built = proposers(policy, c, samplers['t1'], heads_config, heads, drafter_config, drafter)
+  built = proposers(policy, c, samplers['t1'], heads_config, heads, drafter_config, drafter,
+                    c.cost_nodes)
   costs = proposing_costs(policy, c, built, prompts, samplers['t1'])
   prices = tree_step_prices(policy, c, built, prompts, samplers['t1'])
   print(f'at one response, {c.cost_nodes} nodes: proposing costs {costs}, tree-step prices '
         f'{prices} (plain steps)', file=sys.stderr)
   cells = {}
   for key, sampler in samplers.items():
-    built = proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter)
     for nodes in c.budgets:
+      built = proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter, nodes)
       for responses in c.responses:
         if key == 'greedy' and (nodes, responses) not in {tuple(x) for x in c.greedy_cells}:
           continue
         cells[f'{key}/{nodes}/{responses}'] = run_cell(policy, c, built, prompts, nodes,
                                                        responses, sampler)
-  head_rates = heads_metadata(c.heads_dir).rank_hit_rate
+  heads_record = heads_metadata(c.heads_dir)
   drafter_record = drafter_metadata(c.drafter_dir)
   tau = lambda name, nodes, responses: cells[f't1/{nodes}/{responses}'][name]['tau']
   result = {
@@ -193,13 +212,17 @@ def main(argv):
       'backend': jax.default_backend(),
       'heads_tau_16': tau('heads', 16, 1), 'drafter_tau_16': tau('drafter', 16, 1),
       'heads_tau_4_b16': tau('heads', 4, 16), 'drafter_tau_4_b16': tau('drafter', 4, 16),
+      'drafter_tree_tau_16': tau('drafter_tree', 16, 1),
+      'drafter_tree_tau_4_b16': tau('drafter_tree', 4, 16),
       # Held-out agreement with the policy's T = 1 draw: head 1's top-1 and the drafter's
       # depth-1 top-1 (teacher-forced, on its training run's held-out generations).
-      'head1_top1': float(head_rates[0][0]),
+      'head1_top1': float(heads_record.rank_hit_rate[0][0]),
       'drafter_depth1_top1': drafter_record.top1_by_depth[0],
       'drafter_top1_by_depth': list(drafter_record.top1_by_depth),
       'drafter_top1_mass_by_depth': list(drafter_record.mass_by_depth),
-      'warm_start_s': drafter_record.seconds,
+      # The heads' recipe (configs/bench_w3.py heads), and the drafter's.
+      'warm_start_s': heads_record.seconds,
+      'drafter_warm_start_s': drafter_record.seconds,
       'drafter_cost': costs['drafter'],
       'proposing_costs': costs,
       'tree_step_prices': prices,
@@ -226,7 +249,8 @@ def main(argv):
       + ', '.join(f'{n} {v:.2f}' for n, v in costs.items()) + '; whole tree step '
       + ', '.join(f'{n} {v:.2f}' for n, v in prices.items()) + '. Held-out top-1: '
       f'head 1 {result["head1_top1"]:.3f}, drafter depth 1 {result["drafter_depth1_top1"]:.3f}'
-      f'. Drafter warm start {result["warm_start_s"] / 60:.1f} min. Identical responses: '
+      f'. Warm starts: heads {result["warm_start_s"] / 60:.1f} min, drafter '
+      f'{result["drafter_warm_start_s"] / 60:.1f} min. Identical responses: '
       f'{result["identical_fraction"]:.3f}.\n')
   print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
 

@@ -174,7 +174,10 @@ def _proposer(case: Case, config: ModelConfig):
   if case.proposer.startswith('drafter'):
     drafter = DrafterConfig(depth=len(case.branching), hidden_multiplier=1.0,
                             draft_vocab_size=config.vocab_size // 2)
-    proposer = DrafterProposer(config, drafter, spine_paths(case.branching), case.sampler)
+    paths = spine_paths(case.branching)
+    if len(case.branching) > 1 and case.branching[0] > 1:
+      paths += ((1, 0),)  # off the spine: depth 1 expands two candidates
+    proposer = DrafterProposer(config, drafter, paths, case.sampler)
     if case.proposer == 'drafter_group':
       proposer = GroupProposer(GROUP, base=proposer)
     return proposer, _drafter_params(case, config, drafter)

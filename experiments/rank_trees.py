@@ -5,7 +5,8 @@ given ranks in that law; a T=1 walk accepts to depth d when the draws' ranks (r_
 form a path of the tree. A tree is a prefix-closed set of rank paths, and its accepted
 depth on a draw sequence counts the tree's nodes on the draws' path, so the best N-node
 tree holds the N-1 most frequent rank paths (a path is never more frequent than its prefix).
-Used by experiments.measure_draft_ceiling.
+Used by experiments.measure_draft_ceiling (the policy's own law) and
+experiments.measure_drafter_trees (the drafter's law, whose ranks depend on the depth).
 """
 import numpy as np
 
@@ -27,13 +28,30 @@ def rank_paths(ranks: np.ndarray, depth: int):
   return paths
 
 
-def best_tree(paths, nodes: int) -> set:
-  """The `nodes` - 1 most frequent non-empty path prefixes (ties: shallower first, so the
-  set is prefix-closed)."""
+def drafter_rank_paths(ranks: np.ndarray):
+  """Rank paths of a drafter's laws: ranks [L, depth] holds, at each position, the drawn
+  token's rank at each depth (RANKS or more: a miss); each path stops at its first miss."""
+  paths = []
+  for row in np.asarray(ranks):
+    misses = np.flatnonzero(row >= RANKS)
+    paths.append(tuple(int(r) for r in row[:misses[0] if len(misses) else len(row)]))
+  return paths
+
+
+def is_spine(path) -> bool:
+  """Whether a rank path stays below the best guesses until its last step."""
+  return all(r == 0 for r in path[:-1])
+
+
+def best_tree(paths, nodes: int, allowed=lambda path: True) -> set:
+  """The `nodes` - 1 most frequent non-empty path prefixes that `allowed` admits (ties:
+  shallower first, so the set is prefix-closed when `allowed` admits every prefix of what
+  it admits)."""
   counts = {}
   for path in paths:
     for d in range(1, len(path) + 1):
-      counts[path[:d]] = counts.get(path[:d], 0) + 1
+      if allowed(path[:d]):
+        counts[path[:d]] = counts.get(path[:d], 0) + 1
   ranked = sorted(counts, key=lambda prefix: (-counts[prefix], len(prefix), prefix))
   return set(ranked[:nodes - 1])
 
@@ -47,4 +65,11 @@ def tree_tau(tree: set, paths) -> float:
 def two_fold_tau(ranks_by_answer: list, nodes: int, depth: int) -> float:
   """The best tree chosen on even answers measured on odd ones and the reverse, averaged."""
   halves = [[p for a in ranks_by_answer[k::2] for p in rank_paths(a, depth)] for k in (0, 1)]
-  return float(np.mean([tree_tau(best_tree(halves[k], nodes), halves[1 - k]) for k in (0, 1)]))
+  return held_out_tau(halves, nodes)
+
+
+def held_out_tau(halves, nodes: int, allowed=lambda path: True) -> float:
+  """The best tree chosen on one half of the rank paths and measured on the other, both
+  ways, averaged."""
+  return float(np.mean([tree_tau(best_tree(halves[k], nodes, allowed), halves[1 - k])
+                        for k in (0, 1)]))

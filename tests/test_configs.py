@@ -81,7 +81,8 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
 def test_drafts_config_builds_its_proposers_and_cells():
   c = drafts_w3.get_config()
   assert c.drafts == 'heads'  # bench_w3's default; bench_drafts runs both proposers itself
-  assert set(c.proposers) <= {'heads', 'drafter', 'heads_group', 'drafter_group', 'oracle'}
+  assert set(c.proposers) <= {'heads', 'drafter', 'drafter_tree', 'heads_group', 'drafter_group',
+                              'oracle'}
   assert len(c.drafter_branching) <= c.drafter.depth
   assert {tuple(cell) for cell in c.greedy_cells} <= {(n, r) for n in c.budgets
                                                       for r in c.responses}

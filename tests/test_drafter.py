@@ -121,6 +121,14 @@ def test_soft_target_training_lowers_held_out_loss(stories_policy):
   (loss_before, mass_before), (loss_after, mass_after) = held_out(fresh), held_out(trained)
   assert np.all(loss_after < loss_before), (loss_before, loss_after)
   assert mass_after[0] > mass_before[0] + 0.05, (mass_before, mass_after)
+  # Rank 0 of the drawn token is top-1 agreement, counted the same way.
+  ranks = np.asarray(drafter_training.drawn_ranks(CONFIG, policy.config, trained, policy.params,
+                                                  held, 8))
+  top1 = drafter_training.agreement_rates(CONFIG, policy.config, trained, policy.params, held)[0]
+  valid = np.asarray(held.valid)
+  for d in range(1, CONFIG.depth + 1):  # depth d drafts x_{t+d+1}
+    real = valid & np.pad(valid[:, d + 1:], ((0, 0), (0, d + 1)))
+    np.testing.assert_allclose(np.mean(ranks[..., d - 1][real] == 0), top1[d - 1], rtol=1e-6)
 
 
 def test_saved_drafter_loads_and_bad_files_are_named(stories_policy, tmp_path):

@@ -103,6 +103,23 @@ def agreement(config: DrafterConfig, model_config, params: DrafterParams, policy
   return jnp.stack(hits), jnp.stack(mass), jnp.stack(counts)
 
 
+@partial(jax.jit, static_argnums=(0, 1, 5))
+def drawn_ranks(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
+                batch: HeadPairs, ranks: int):
+  """int32 [B, T, depth]: the rank of the drawn x_{t+d+1} in depth d's teacher-forced law
+  (`ranks` where it is below the top `ranks`, outside the draft vocabulary, or past the
+  sequence). Along a path of drawn tokens the teacher-forced law is the one the drafter
+  drafts from in the tree, so these ranks are the rank paths a T = 1 walk accepts."""
+  out = []
+  for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
+                           start=1):
+    index, inside = vocabulary_index(params.vocab_ids, shifted(batch.tokens, d + 1))
+    rank = jnp.sum(logq > jnp.take_along_axis(logq, index[..., None], axis=-1), axis=-1)
+    real = inside & batch.valid & shifted(batch.valid, d + 1)
+    out.append(jnp.where(real & (rank < ranks), rank, ranks).astype(jnp.int32))
+  return jnp.stack(out, axis=-1)
+
+
 def agreement_rates(config, model_config, params, policy_params, held: HeadPairs):
   """(top-1 agreement [depth], top-1 policy mass [depth]) on held-out pairs."""
   hits, mass, counts = (np.asarray(x) for x in agreement(config, model_config, params,

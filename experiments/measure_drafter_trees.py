@@ -1,0 +1,105 @@
+"""Drafter trees chosen from the drafter's own rank paths, and what they are worth.
+
+  python -m experiments.measure_drafter_trees --out_dir=results/drafts_w3/drafter_trees
+
+Teacher-forced along the policy's own T = 1 answers, the drafter ranks each drawn token in
+its law at each depth. Along drawn tokens the teacher-forced law is the one the drafter
+drafts from in the tree, and the draws are the policy's (it wrote the answers), so a T = 1
+walk of a rank-path tree accepts depth d exactly when the draws' ranks (r_1..r_d) form a
+path of the tree (experiments.rank_trees). The best N-node tree holds the N - 1 most
+frequent rank paths; it is chosen on one half of the answers and measured on the other,
+both ways, beside the best spine (every rank but the last 0: DrafterProposer's first
+shape). The trees chosen on all answers go to results.json's `trees`, which
+experiments.bench_drafts drafts with (configs/drafts_w3.py: drafter_trees).
+
+The answers are to GSM8K train questions from index --first on: neither the heads (the
+first 544) nor the drafter (the first 800) were trained or held out on them.
+"""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from experiments.rank_trees import RANKS, best_tree, drafter_rank_paths, held_out_tau, is_spine
+from specroll_jax import load_policy
+from specroll_jax.adapt.distill import WarmStart, generated_pairs
+from specroll_jax.adapt.drafter_training import drawn_ranks
+from specroll_jax.speculative.drafter import load_drafter
+from specroll_jax.tasks.sources import load_tasks
+
+_CHECKPOINT = flags.DEFINE_string('checkpoint', 'workdir/models/smollm2-135m-instruct',
+                                  'An HF policy directory.')
+_DRAFTER = flags.DEFINE_string('drafter_dir', 'workdir/drafter_smollm2_gsm8k',
+                               'The drafter (experiments.train_heads --proposer=drafter).')
+_FIRST = flags.DEFINE_integer('first', 800, 'First GSM8K train question used.')
+_ANSWERS = flags.DEFINE_integer('answers', 64, 'T=1 answers, one per question.')
+_MAX_NEW_TOKENS = flags.DEFINE_integer('answer_tokens', 256, 'Tokens per answer at most.')
+_DATA_DIR = flags.DEFINE_string('gsm8k_dir', None, 'Data directory (default ../shared/data).')
+_SAMPLING_SEED = flags.DEFINE_integer('sampling_seed', 1, 'Seed of the answers\' draws.')
+_OUT_DIR = flags.DEFINE_string('trees_out_dir', 'results/drafts_w3/drafter_trees',
+                               'Where results go.')
+BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench_drafts' budgets)
+ROWS_PER_FORWARD = 8
+
+
+def answer_paths(config, drafter, policy, pairs) -> list:
+  """The drafter's rank paths at every position of `pairs` whose next token (the root the
+  verifier draws) is real."""
+  paths = []
+  for start in range(0, pairs.tokens.shape[0], ROWS_PER_FORWARD):
+    chunk = jax.tree.map(lambda x: x[start:start + ROWS_PER_FORWARD], pairs)
+    ranks = np.asarray(drawn_ranks(config, policy.config, drafter, policy.params, chunk, RANKS))
+    valid = np.asarray(chunk.valid)
+    roots = valid & np.pad(valid[:, 1:], ((0, 0), (0, 1)))
+    paths += drafter_rank_paths(ranks[roots])
+  return paths
+
+
+def main(argv):
+  del argv
+  policy = load_policy(_CHECKPOINT.value)
+  config, drafter = load_drafter(_DRAFTER.value, policy.config)
+  first, count = _FIRST.value, _ANSWERS.value
+  tasks = load_tasks('gsm8k', count=first + count, seed=0, data_dir=_DATA_DIR.value,
+                     split='train', chat=True)[first:first + count]
+  if len(tasks) < count:
+    raise ValueError(f'GSM8K train has {first + len(tasks)} questions: --first={first} with '
+                     f'--answers={count} runs past them')
+  prompts = [policy.prompt_ids(t.prompt, True) for t in tasks]
+  plan = WarmStart(num_sequences=count // 2, held_out=count - count // 2,
+                   max_new_tokens=_MAX_NEW_TOKENS.value, temperature=1.0,
+                   seed=_SAMPLING_SEED.value)
+  halves = [answer_paths(config, drafter, policy, pairs)
+            for pairs in generated_pairs(policy, prompts, plan, top_k=1)]
+  every = halves[0] + halves[1]
+  first_ranks = np.array([p[0] if p else RANKS for p in every])
+  result = {
+      'command': ' '.join(['python -m experiments.measure_drafter_trees', *sys.argv[1:]]),
+      'checkpoint': _CHECKPOINT.value, 'drafter_dir': _DRAFTER.value,
+      'questions': f'gsm8k:train[{first}:{first + count}]', 'positions': len(every),
+      # How often the drawn x_{t+2} is the drafter's rank r at depth 1 (RANKS: a miss).
+      'depth1_rank_rate': {str(r): float(np.mean(first_ranks == r)) for r in range(RANKS + 1)},
+      'held_out_tau': {str(nodes): {'best_tree': held_out_tau(halves, nodes),
+                                    'best_spine': held_out_tau(halves, nodes, is_spine)}
+                       for nodes in BUDGETS},
+      'trees': {str(nodes): sorted(best_tree(every, nodes), key=lambda p: (len(p), p))
+                for nodes in BUDGETS},
+  }
+  out = Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
+  rows = [f'| {n} | {t["best_spine"]:.2f} | {t["best_tree"]:.2f} |'
+          for n, t in result['held_out_tau'].items()]
+  (out / 'README.md').write_text(
+      '# Drafter trees from its own rank paths (held-out tau, no proposing cost)\n\n'
+      f'`{result["command"]}`\n\n{result["positions"]} positions of {count} T=1 answers to '
+      f'{result["questions"]}; each tree chosen on one half, measured on the other.\n\n'
+      '| nodes/row | best spine | best tree |\n|---|---|---|\n' + '\n'.join(rows) + '\n')
+  print(json.dumps({k: v for k, v in result.items() if k != 'trees'}, indent=1))
+
+
+if __name__ == '__main__':
+  app.run(main)
