@@ -24,10 +24,12 @@ def get_config():
   # (nodes, responses) cells also measured greedy; the rest run at c.temperature.
   c.greedy_cells = ((16, 1), (4, 16))
   c.proposers = ('heads', 'drafter', 'drafter_tree', 'heads_group', 'oracle')
-  # The drafter's rank-path tree per budget, chosen on its own ranks over answers to GSM8K
-  # train questions it was not trained on:
+  # The drafter's rank-path trees, chosen on its own ranks over answers to GSM8K train
+  # questions it was not trained on:
   #   python -m experiments.measure_drafter_trees --trees_out_dir=results/drafts_w3/drafter_trees
   c.drafter_trees = 'results/drafts_w3/drafter_trees/results.json'
+  # (nodes per row, the size of the tree whose paths are its candidates)
+  c.drafter_tree_pools = ((4, 16), (8, 32), (16, 48))
   c.cost_nodes = 16                 # the tree at which proposing costs are priced (1 row)
   c.out_dir = 'results/drafts_w3'
   return c

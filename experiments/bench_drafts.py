@@ -6,8 +6,9 @@ For each cell (nodes per row, responses in flight, sampler) every proposer's eng
 the same held-out prompts and seed as vanilla with every step a tree of that many nodes
 (no gate, no sizing), and its tau (tokens per row step) is recorded with whether its
 responses are vanilla's. Proposers: the warm-started heads, the sequential drafter on its
-spine ('drafter') or on the rank-path tree chosen for that budget from its own held-out
-ranks ('drafter_tree', c.drafter_trees from experiments.measure_drafter_trees), heads or
+spine ('drafter') or on a rank-path tree chosen from its own held-out ranks, a pool from
+which each row keeps its best paths ('drafter_tree': c.drafter_tree_pools names the pool's
+size per budget, c.drafter_trees the file of experiments.measure_drafter_trees), heads or
 drafter under group drafts, and the oracle (vanilla's own future as a chain as deep as the
 heads' trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
 proposer's `propose` timed alone against the vanilla step; and each tree step's whole
@@ -45,17 +46,22 @@ from experiments.workloads import (benchmark_prompts, oracle_engine_params,
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafts_w3.py')
 GROUPED = {'heads_group': 'heads', 'drafter_group': 'drafter'}
+TAU_KEYS = ('heads', 'drafter', 'drafter_tree')  # proposers with top-level tau keys
 
 
 def drafter_tree(c, nodes: int) -> tuple:
-  """The rank paths chosen for `nodes` nodes per row (experiments.measure_drafter_trees)."""
+  """The rank paths of the pool drafted at `nodes` nodes per row: the best tree of
+  c.drafter_tree_pools' size for that budget (experiments.measure_drafter_trees)."""
+  pools = {int(budget): int(size) for budget, size in c.drafter_tree_pools}
+  if nodes not in pools:
+    raise ValueError(f'config drafter_tree_pools has no pool for {nodes} nodes')
   path = Path(c.drafter_trees)
   if not path.is_file():
     raise FileNotFoundError(f'{path}: not found (run experiments.measure_drafter_trees)')
   trees = json.loads(path.read_text())['trees']
-  if str(nodes) not in trees:
-    raise ValueError(f'{path}: no tree for {nodes} nodes (it has {", ".join(trees)})')
-  return tuple(tuple(p) for p in trees[str(nodes)])
+  if str(pools[nodes]) not in trees:
+    raise ValueError(f'{path}: no tree of {pools[nodes]} nodes (it has {", ".join(trees)})')
+  return tuple(tuple(p) for p in trees[str(pools[nodes])])
 
 
 def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter,
@@ -210,10 +216,8 @@ def main(argv):
   result = {
       'command': ' '.join(['python -m experiments.bench_drafts'] + sys.argv[1:]),
       'backend': jax.default_backend(),
-      'heads_tau_16': tau('heads', 16, 1), 'drafter_tau_16': tau('drafter', 16, 1),
-      'heads_tau_4_b16': tau('heads', 4, 16), 'drafter_tau_4_b16': tau('drafter', 4, 16),
-      'drafter_tree_tau_16': tau('drafter_tree', 16, 1),
-      'drafter_tree_tau_4_b16': tau('drafter_tree', 4, 16),
+      **{f'{name}_tau_16': tau(name, 16, 1) for name in TAU_KEYS if name in c.proposers},
+      **{f'{name}_tau_4_b16': tau(name, 4, 16) for name in TAU_KEYS if name in c.proposers},
       # Held-out agreement with the policy's T = 1 draw: head 1's top-1 and the drafter's
       # depth-1 top-1 (teacher-forced, on its training run's held-out generations).
       'head1_top1': float(heads_record.rank_hit_rate[0][0]),
@@ -223,7 +227,7 @@ def main(argv):
       # The heads' recipe (configs/bench_w3.py heads), and the drafter's.
       'warm_start_s': heads_record.seconds,
       'drafter_warm_start_s': drafter_record.seconds,
-      'drafter_cost': costs['drafter'],
+      'drafter_cost': costs.get('drafter'),
       'proposing_costs': costs,
       'tree_step_prices': prices,
       'identical_fraction': (sum(r['identical'] for cell in cells.values() for r in cell.values())

@@ -9,8 +9,11 @@ walk of a rank-path tree accepts depth d exactly when the draws' ranks (r_1..r_d
 path of the tree (experiments.rank_trees). The best N-node tree holds the N - 1 most
 frequent rank paths; it is chosen on one half of the answers and measured on the other,
 both ways, beside the best spine (every rank but the last 0: DrafterProposer's first
-shape). The trees chosen on all answers go to results.json's `trees`, which
-experiments.bench_drafts drafts with (configs/drafts_w3.py: drafter_trees).
+shape). Those taus are of trees used whole. In the engine a tree is a pool of candidates
+from which each row keeps its best N - 1 by the drafter's own path scores, which a rank
+path cannot replay: the pools larger than the budgets are for that (experiments.bench_drafts
+measures them). The trees chosen on all answers go to results.json's `trees`
+(configs/drafts_w3.py: drafter_trees, drafter_tree_pools).
 
 The answers are to GSM8K train questions from index --first on: neither the heads (the
 first 544) nor the drafter (the first 800) were trained or held out on them.
@@ -41,7 +44,9 @@ _DATA_DIR = flags.DEFINE_string('gsm8k_dir', None, 'Data directory (default ../s
 _SAMPLING_SEED = flags.DEFINE_integer('sampling_seed', 1, 'Seed of the answers\' draws.')
 _OUT_DIR = flags.DEFINE_string('trees_out_dir', 'results/drafts_w3/drafter_trees',
                                'Where results go.')
-BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench_drafts' budgets)
+# Nodes per tree, root included: experiments.bench_drafts' budgets, and candidate pools
+# for them.
+TREE_NODES = (4, 8, 16, 32, 48, 64)
 ROWS_PER_FORWARD = 8
 
 
@@ -84,9 +89,9 @@ def main(argv):
       'depth1_rank_rate': {str(r): float(np.mean(first_ranks == r)) for r in range(RANKS + 1)},
       'held_out_tau': {str(nodes): {'best_tree': held_out_tau(halves, nodes),
                                     'best_spine': held_out_tau(halves, nodes, is_spine)}
-                       for nodes in BUDGETS},
+                       for nodes in TREE_NODES},
       'trees': {str(nodes): sorted(best_tree(every, nodes), key=lambda p: (len(p), p))
-                for nodes in BUDGETS},
+                for nodes in TREE_NODES},
   }
   out = Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
