@@ -28,22 +28,32 @@ def test_frequency_vocabulary_keeps_the_most_frequent_ids_sorted():
   assert frequency_vocabulary(tokens, valid, 5, 10).tolist() == [0, 2, 5, 7, 9]
 
 
-def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
-  policy = stories_policy
-  assert TreeLayout.build(spine_paths((3, 2, 1))).parent == (-1, -1, -1, 0, 0, 3)
+def _perturbed_drafter(policy):
+  """(draft vocabulary: every fourth id, a drafter over it whose weights are all non-zero)."""
   vocab_ids = np.arange(0, policy.config.vocab_size, 4)
   params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
-  params = params.replace(weights=jax.tree.map(
+  return vocab_ids, params.replace(weights=jax.tree.map(
       lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params.weights))
-  proposer = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 1)),
-                             SamplerConfig(temperature=1.0))
-  assert proposer.num_candidates == 6 and proposer.depth == 3
-  batch = 2
+
+
+def _step_context(policy, batch: int):
+  """(hidden [B, D], running sequences, the policy's vocabulary, a step context with roots)."""
   hidden = jax.random.normal(jax.random.key(2), (batch, policy.config.hidden_size))
   seqs = Sequences.empty(jnp.arange(batch), jnp.ones(batch, jnp.int32),
                          jnp.full(batch, 8, jnp.int32), 8, jnp.zeros(batch, bool))
   vocab = Vocabulary(policy.params, policy.config)
-  context = StepContext(hidden, jnp.array([5, 9]), seqs, vocab)
+  return hidden, seqs, vocab, StepContext(hidden, jnp.array([5, 9]), seqs, vocab)
+
+
+def test_spine_is_static_and_each_depth_follows_the_best_guess(stories_policy):
+  policy = stories_policy
+  assert TreeLayout.build(spine_paths((3, 2, 1))).parent == (-1, -1, -1, 0, 0, 3)
+  vocab_ids, params = _perturbed_drafter(policy)
+  proposer = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 1)),
+                             SamplerConfig(temperature=1.0))
+  assert proposer.num_candidates == 6 and proposer.depth == 3
+  batch = 2
+  hidden, seqs, vocab, context = _step_context(policy, batch)
   proposal = proposer.propose(params, proposer.init(None, seqs), context, levels=2)
   candidates = proposal.candidates
   assert candidates.tokens.shape == (batch, 6) and candidates.parent == (-1, -1, -1, 0, 0, 3)
@@ -75,17 +85,10 @@ def test_branched_tree_expands_lower_ranks_with_their_own_tokens(stories_policy)
   layout = TreeLayout.build(reversed(paths))  # any order in, parents first out
   assert layout.paths == paths and layout.parent == (-1, -1, -1, 0, 1, 1, 3, 4)
   assert [list(e) for e in layout.expanded] == [[0, 1], [3, 4]]
-  vocab_ids = np.arange(0, policy.config.vocab_size, 4)
-  params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
-  params = params.replace(weights=jax.tree.map(
-      lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params.weights))
+  vocab_ids, params = _perturbed_drafter(policy)
   proposer = DrafterProposer(policy.config, CONFIG, paths, SamplerConfig(temperature=1.0))
   batch = 2
-  hidden = jax.random.normal(jax.random.key(2), (batch, policy.config.hidden_size))
-  seqs = Sequences.empty(jnp.arange(batch), jnp.ones(batch, jnp.int32),
-                         jnp.full(batch, 8, jnp.int32), 8, jnp.zeros(batch, bool))
-  vocab = Vocabulary(policy.params, policy.config)
-  context = StepContext(hidden, jnp.array([5, 9]), seqs, vocab)
+  hidden, seqs, vocab, context = _step_context(policy, batch)
   tokens = np.asarray(proposer.propose(params, proposer.init(None, seqs), context,
                                        levels=3).candidates.tokens)
   rows = vocab.rows(jnp.asarray(vocab_ids))

@@ -123,13 +123,14 @@ class DrafterProposer(Proposer):
     layout, draft_rows = self.layout, context.vocab.rows(params.vocab_ids)  # [V_d, D]
     z = drafter_step(self.config, self.model_config, params.weights, context.hidden,
                      context.vocab.embed(context.root))[:, None]  # [B, 1, D]
-    laws = []
-    for d in range(levels):
+    laws, depths = [], min(levels, self.depth)
+    for d in range(depths):
       k = int(layout.top_k[d])
       p, index = jax.lax.top_k(sampling.distribution(z @ draft_rows.T, self.sampler), k)
       laws.append((params.vocab_ids[index], p))
-      if d + 1 == levels or d >= len(layout.expanded) or not layout.expanded[d]:
+      if d + 1 == depths:
         break
+      # Prefix-closed paths: every depth above the deepest has candidates with children.
       level = np.asarray(layout.expanded[d])
       tokens = laws[d][0][:, layout.expanded_slot[d], layout.rank[level]]  # [B, E_d]
       z = drafter_step(self.config, self.model_config, params.weights,
