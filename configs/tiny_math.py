@@ -11,6 +11,7 @@ its measured cost.
 import ml_collections
 
 from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.drafter_training import DrafterTraining
 from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.model.mesh import MeshConfig
@@ -21,6 +22,7 @@ from specroll_jax.rl.rollouts import DRIVER_DERIVED, TREE_DERIVED
 from specroll_jax.rl.sections import section
 from specroll_jax.rollout.driver import RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.speculative.drafter import DrafterConfig
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
@@ -68,9 +70,15 @@ def get_config():
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, steps=600,
       batch_size=32))
-  # Head adaptation (rl.head_adaptation.ADAPTATION_MODES): slow = the slow path alone. Reflex
-  # (mode=reflex|both) is off: on W1 its gates never open and it costs generation time
-  # (WORKSPACE_NOTES, "Issue 15").
+  # The sequential drafter, when rollout.proposers names it ('drafter' or 'drafter,group'):
+  # its block (model), its warm start on the initial policy's answers to the first
+  # num_sequences + held_out task prompts (training), and its spine's candidates per depth.
+  c.drafter = ml_collections.ConfigDict(dict(
+      model=section(DrafterConfig), training=section(DrafterTraining), branching=(4, 2, 2, 1),
+      num_sequences=512, held_out=64))
+  # Adaptation of the heads or the drafter (rl.head_adaptation.ADAPTATION_MODES): slow = the
+  # slow path alone. Reflex (mode=reflex|both; heads only) is off: on W1 its gates never open
+  # and it costs generation time (WORKSPACE_NOTES, "Issue 15").
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='slow', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),

@@ -17,6 +17,8 @@ from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.speculative.drafter import load_drafter
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
                                        tree_config, with_group_drafts)
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
@@ -38,9 +40,14 @@ flags.DEFINE_integer('seed', 0,
                      'Rollout seed (the randomness contract in specroll_jax/rollout/sampling.py).')
 flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
 flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll with heads).')
+flags.DEFINE_string('drafter', None,
+                    'Sequential drafter directory (engine=specroll with the drafter; from '
+                    'experiments.train_heads --proposer=drafter). It drafts a spine of '
+                    '--branching candidates per depth.')
 flags.DEFINE_string('proposers', None,
-                    'engine=specroll: drafting sources, a comma-separated subset of heads,group '
-                    '(group: continuations from the prompt and the other samples of it). '
+                    'engine=specroll: drafting sources, a comma-separated subset of '
+                    'heads,drafter,group with at most one of heads and drafter (group: '
+                    'continuations from the prompt and the other samples of it). '
                     'Default: heads,group when --num_samples > 1, else heads.')
 flags.DEFINE_integer('capacity_tokens', 0,
                      'C_hw for the tree budget; 0 = the cached capacity profile (measured '
@@ -85,6 +92,13 @@ def main(argv):
       heads_config, heads = load_heads(FLAGS.heads, policy.config)
       proposer = head_proposer(policy, heads_config, FLAGS.heads, sampler,
                                HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
+    elif 'drafter' in names:
+      if not FLAGS.drafter:
+        sys.exit('error: --proposers with drafter needs --drafter (a directory from '
+                 'experiments.train_heads --proposer=drafter)')
+      drafter_config, heads = load_drafter(FLAGS.drafter, policy.config)
+      proposer = DrafterProposer(policy.config, drafter_config,
+                                 spine_paths(tuple(int(b) for b in FLAGS.branching)), sampler)
     proposer = with_group_drafts(proposer, names, GroupDraftConfig())
     tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
   engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,

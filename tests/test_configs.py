@@ -65,12 +65,25 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   c = get_config()
   assert c.rollout.proposers == 'heads,group'  # group drafts are on in the GRPO default
   c.rollout.proposers = 'heads,suffix'
-  with pytest.raises(ValueError, match="subset of heads, group"):
+  with pytest.raises(ValueError, match="subset of heads, drafter, group"):
     check_config(c)
   c = get_config()
   c.rollout.proposers = 'group'  # no heads to adapt
-  with pytest.raises(ValueError, match="adapts the heads"):
+  with pytest.raises(ValueError, match="adapts heads or a drafter"):
     check_config(c)
+  c.rollout.proposers = 'heads,drafter,group'
+  with pytest.raises(ValueError, match="one learned proposer per rollout"):
+    check_config(c)
+  c.rollout.proposers = 'drafter,group'
+  check_config(c)  # the slow path adapts the drafter's block
+  c.adaptation.mode = 'both'
+  with pytest.raises(ValueError, match="does not apply to the drafter"):
+    check_config(c)
+  c.adaptation.mode = 'slow'
+  c.drafter.branching = (2, 2, 2, 2, 2)
+  with pytest.raises(ValueError, match=r"drafter.branching=.*at most drafter.model.depth=4"):
+    check_config(c)
+  c.rollout.proposers = 'group'
   c.adaptation.mode = 'static'
   check_config(c)
   c.rollout.group.min_match = 0

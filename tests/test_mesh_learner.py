@@ -6,13 +6,14 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import paper
 from specroll_jax.model.config import config_from_hf
 from specroll_jax.model.mesh import (MeshConfig, make_mesh, optimizer_sharding, param_sharding,
                                      put_rows)
 from specroll_jax.rl import grpo, lora, memory
+from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 
 CONFIG = grpo.GRPOConfig(group_size=4, micro_batch_size=8, learning_rate=1e-3)
 
@@ -91,10 +92,15 @@ def test_memory_report_matches_the_devices_pieces(stories_policy):
   device = jax.devices()[0]
   held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
                           for s in x.addressable_shards if s.device == device)
+  drafter = DrafterConfig()
   workload = memory.Workload(rollout_rows=16, cache_length=64, micro_batch_rows=8,
-                             learner_width=64)
+                             learner_width=64, drafter=drafter)
   parts = dict(memory.report(config, workload, dict(mesh.shape)).parts)
   assert parts['parameters'] == held(params)
+  # A whole copy of the block on every device, and two Adam moments like it.
+  block = jax.device_put(init_drafter(drafter, config, np.arange(config.vocab_size)).weights,
+                         NamedSharding(mesh, P()))
+  assert parts['drafter block + its optimizer'] == 3 * held(block)
   assert parts['optimizer (AdamW moments)'] == held(opt_state)
   # One device's rows (16 / 4) x slots x layers x k and v x its KV heads (4 / 2) x head dim.
   assert parts['KV cache (16 rows x 64 slots)'] == 4 * 64 * config.num_layers * 2 * (

@@ -1,5 +1,6 @@
-"""Slow path: triggers only on sustained degradation, trains only the triggered heads, rolls
-back a harmful update, and learns from pairs the GRPO forward already computed."""
+"""Slow path: triggers only on sustained degradation, trains only the triggered heads (or the
+drafter's block), rolls back a harmful update, and learns from pairs the GRPO forward already
+computed."""
 import dataclasses
 
 import jax
@@ -7,13 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax.adapt import consolidation, distill, monitor
+from specroll_jax.adapt import consolidation, distill, drafter_consolidation, monitor
 from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.drafter_training import DrafterTraining
 from specroll_jax.adapt.monitor import MonitorConfig, MonitorState, WindowStats
 from specroll_jax.rl import grpo
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 from specroll_jax.speculative.heads import HeadsConfig, init_heads
 from specroll_jax.speculative.pairs import response_spans
 
@@ -278,3 +281,49 @@ def test_persistent_optimizer_carries_the_kept_heads_moments_only(stories_policy
       heads_config, policy.config, dataclasses.replace(config, persistent_optimizer=False),
       heads, fresh, policy.params, pairs, mask, seed=0)
   assert result.opt_state is fresh
+
+
+DRAFTER = DrafterConfig(depth=3, draft_vocab_size=0)
+
+
+@pytest.fixture(scope='module')
+def drafter(stories_policy):
+  return init_drafter(DRAFTER, stories_policy.config,
+                      np.arange(stories_policy.config.vocab_size), seed=3)
+
+
+def test_drafter_update_lowers_held_out_loss_carries_adam_and_never_touches_the_policy(
+    stories_policy, pairs_and_heads, drafter):
+  policy = stories_policy
+  pairs = pairs_and_heads[0]
+  before = jax.tree.map(np.array, policy.params)
+  config = ConsolidationConfig(steps=30, batch_size=8, learning_rate=3e-3, rollback=True)
+  state = drafter_consolidation.init_optimizer_state(config, drafter)
+  result = drafter_consolidation.consolidate(DRAFTER, policy.config, DrafterTraining(), config,
+                                             drafter, state, policy.params, pairs, seed=0)
+  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(policy.params)):
+    np.testing.assert_array_equal(old, new)
+  decay = DrafterTraining().depth_decay ** np.arange(DRAFTER.depth)
+  assert result.kept, (result.loss_before, result.loss_after)
+  assert np.sum(decay * result.loss_after) < np.sum(decay * result.loss_before)
+  assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(result.params.weights),
+                                                      jax.tree.leaves(drafter.weights)))
+  np.testing.assert_array_equal(result.params.vocab_ids, drafter.vocab_ids)
+  assert int(result.opt_state[1][0].count) == config.steps  # the next update continues it
+
+
+@pytest.mark.parametrize('learning_rate', [30.0, float('inf')])
+def test_a_harmful_or_non_finite_drafter_update_is_rolled_back_with_its_moments(
+    stories_policy, pairs_and_heads, drafter, learning_rate):
+  policy = stories_policy
+  pairs = pairs_and_heads[0]
+  # Without rollback only a non-finite block is refused; with it, a loss that rises too.
+  config = ConsolidationConfig(steps=5, batch_size=8, learning_rate=learning_rate,
+                               rollback=np.isfinite(learning_rate))
+  state = drafter_consolidation.init_optimizer_state(config, drafter)
+  result = drafter_consolidation.consolidate(DRAFTER, policy.config, DrafterTraining(), config,
+                                             drafter, state, policy.params, pairs, seed=0)
+  assert not result.kept
+  if config.rollback:
+    assert np.sum(result.loss_after) > np.sum(result.loss_before)
+  assert result.params is drafter and result.opt_state is state

@@ -17,6 +17,7 @@ from configs.tiny_math import get_config
 from specroll_jax.rl.metrics import truncate_metrics
 from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
+from specroll_jax.speculative.drafter import DrafterConfig, load_drafter
 from specroll_jax.tasks.rewards import REWARD_RULES
 from tests.conftest import FIXTURE_DATA, REPO, STORIES
 
@@ -27,7 +28,8 @@ SMALL = {'steps': 3, 'checkpoint_every': 1, 'policy.checkpoint': str(STORIES),
          'rollout.driver.max_new_tokens': 20, 'rollout.driver.max_batch': 16,
          'rollout.tree.capacity_tokens': 64, 'grpo.micro_batch_size': 8, 'grpo.weight_decay': 0.5,
          'grpo.learning_rate': 1e-2, 'task.count': 64, 'heads.num_sequences': 16,
-         'heads.held_out': 4, 'heads.steps': 5, 'audit.every': 0,
+         'heads.held_out': 4, 'heads.steps': 5, 'drafter.num_sequences': 16,
+         'drafter.held_out': 4, 'drafter.training.steps': 5, 'audit.every': 0,
          # One device, as a one-CPU machine runs it (the suite forces 8 host devices).
          'mesh.data': 1}
 
@@ -64,25 +66,57 @@ ALWAYS_TRIGGER = {'adaptation.mode': 'both',
                   'adaptation.reflex.gate_threshold': -1.0}
 
 
-def test_specroll_and_vanilla_training_agree(tmp_path):
-  # Prices saved as a resumed run finds them: a tree step priced below one plain step
-  # always pays, so every step verifies a tree (pricing itself is tested in test_gate.py).
-  (tmp_path / 'spec').mkdir()
-  (tmp_path / 'spec' / STEP_COSTS_FILE).write_text(json.dumps([[16, 0.5]]))
-  spec = train(_config(rollout__engine='specroll', **{k.replace('.', '__'): v
-                                                      for k, v in ALWAYS_TRIGGER.items()}),
-               tmp_path / 'spec')
-  train(_config(rollout__engine='vanilla'), tmp_path / 'vanilla')
-  a, b = _metrics(tmp_path / 'spec'), _metrics(tmp_path / 'vanilla')
+@pytest.fixture(scope='module')
+def vanilla_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('vanilla')
+  train(_config(rollout__engine='vanilla'), workdir)
+  return workdir
+
+
+def _trained_with_trees(workdir, **overrides):
+  """A specroll run whose gate verifies a tree on every step: prices saved as a resumed run
+  finds them, a tree step below one plain step always pays (pricing: test_gate.py)."""
+  workdir.mkdir()
+  (workdir / STEP_COSTS_FILE).write_text(json.dumps([[16, 0.5]]))
+  return train(_config(rollout__engine='specroll',
+                       **{k.replace('.', '__'): v for k, v in overrides.items()}), workdir)
+
+
+def _same_training(spec_dir, vanilla_dir):
+  a, b = _metrics(spec_dir), _metrics(vanilla_dir)
   assert [m['rollout_digest'] for m in a] == [m['rollout_digest'] for m in b]
   assert [m['reward'] for m in a] == [m['reward'] for m in b]
-  assert spec['tau'] >= 1.0 and (tmp_path / 'spec' / 'report.md').exists()
-  assert a[1]['triggered'], a[1]  # window 1 calibrates; window 2 consolidates
-  assert all(max(m['reflex_gate']) > 0 for m in a)
-  for x, y in zip(_final_params(tmp_path / 'spec'), _final_params(tmp_path / 'vanilla')):
+  for x, y in zip(_final_params(spec_dir), _final_params(vanilla_dir)):
     # Identical tokens and pi_old from the learner (grpo.learner_old_logprobs): the updates
     # are the same computation, bit for bit.
     np.testing.assert_array_equal(x, y)
+  return a
+
+
+def test_specroll_and_vanilla_training_agree(tmp_path, vanilla_run):
+  spec = _trained_with_trees(tmp_path / 'spec', **ALWAYS_TRIGGER)
+  a = _same_training(tmp_path / 'spec', vanilla_run)
+  assert spec['tau'] >= 1.0 and (tmp_path / 'spec' / 'report.md').exists()
+  assert a[1]['triggered'], a[1]  # window 1 calibrates; window 2 consolidates
+  assert all(max(m['reflex_gate']) > 0 for m in a)
+
+
+def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanilla_run,
+                                                                 stories_policy):
+  overrides = {**ALWAYS_TRIGGER, 'adaptation.mode': 'slow', 'rollout.proposers': 'drafter',
+               'adaptation.consolidation.rollback': True}
+  spec = _trained_with_trees(tmp_path / 'spec', **overrides)
+  a = _same_training(tmp_path / 'spec', vanilla_run)
+  assert spec['tau'] >= 1.0 and a[1]['triggered'], a[1]
+  assert len(a[1]['drafter_loss_before']) == DrafterConfig().depth
+  _, warm = load_drafter(tmp_path / 'spec' / 'drafter', stories_policy.config)
+  manager = ocp.CheckpointManager((tmp_path / 'spec' / 'checkpoints').resolve())
+  trained = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())['heads']
+  kept = any(m.get('kept') for m in a)
+  changed = [not np.array_equal(x, y) for x, y in zip(
+      jax.tree.leaves(trained['params']['weights']), jax.tree.leaves(warm.weights))]
+  assert kept and any(changed), [m.get('drafter_loss_after') for m in a]
+  np.testing.assert_array_equal(trained['params']['vocab_ids'], warm.vocab_ids)
 
 
 # Kills land in the first phases of a step; each is checked to have landed where meant. A

@@ -132,6 +132,40 @@ def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_par
 
 
 @dataclasses.dataclass(frozen=True)
+class RowSplit:
+  """The harvested rows an update trains on, and those it holds out to judge it."""
+  train: HeadPairs
+  held_out: HeadPairs | None  # None without rollback: nothing is held out
+  order: np.ndarray           # int [steps, batch_size] rows of `train` per Optax step
+
+
+def split_rows(config: ConsolidationConfig, pairs: HeadPairs, groups, seed: int) -> RowSplit:
+  """With `config.rollback`, whole prompt groups held out (`groups` [rows] names each row's
+  prompt; None: every row its own): a GRPO group's samples share their prompt's text, so a
+  held-out row of a trained prompt would reward memorising that prompt instead of tracking
+  the policy. Without it every row trains."""
+  rows = pairs.tokens.shape[0]
+  groups = np.arange(rows) if groups is None else np.asarray(groups)
+  if groups.shape != (rows,):
+    raise ValueError(f'groups has shape {groups.shape}, expected ({rows},) like the pairs')
+  rng = np.random.default_rng(seed)
+  held_out_rows = np.zeros(rows, bool)
+  if config.rollback:
+    names = np.unique(groups)
+    held = max(1, int(round(len(names) * config.held_out_fraction)))
+    if len(names) - held < 1:
+      raise ValueError(f'slow path needs at least 2 harvested prompt groups, got {len(names)}')
+    held_out_rows = np.isin(groups, rng.permutation(names)[:held])
+  train_rows = np.flatnonzero(~held_out_rows)
+  take = lambda index: jax.tree.map(lambda x: x[index], pairs)
+  order = np.stack([rng.choice(len(train_rows), min(config.batch_size, len(train_rows)),
+                               replace=False) for _ in range(config.steps)])
+  return RowSplit(train=take(train_rows),
+                  held_out=take(np.flatnonzero(held_out_rows)) if config.rollback else None,
+                  order=order)
+
+
+@dataclasses.dataclass(frozen=True)
 class Consolidation:
   params: dict
   opt_state: Any          # the heads' optimizer state after the update (rolled back per head)
@@ -156,36 +190,17 @@ def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationCo
   `opt_state` is the heads' optimizer state from the last update (used only with
   `config.persistent_optimizer`). With `config.rollback` False (the always-online
   baseline) it trains on every row, holds none out and keeps every trained head whose
-  parameters stay finite (kl_before / kl_after are then None).
-
-  `groups` [rows] names each row's prompt (None: every row its own). Whole groups are held
-  out: a GRPO group's samples share their prompt's text, so a held-out row of a trained
-  prompt would reward memorising that prompt instead of tracking the policy."""
+  parameters stay finite (kl_before / kl_after are then None). `groups`: see split_rows."""
   heads_mask = np.asarray(heads_mask, bool)
-  rows = pairs.tokens.shape[0]
-  groups = np.arange(rows) if groups is None else np.asarray(groups)
-  if groups.shape != (rows,):
-    raise ValueError(f'groups has shape {groups.shape}, expected ({rows},) like the pairs')
-  rng = np.random.default_rng(seed)
-  held_out_rows = np.zeros(rows, bool)
-  if config.rollback:
-    names = np.unique(groups)
-    held = max(1, int(round(len(names) * config.held_out_fraction)))
-    if len(names) - held < 1:
-      raise ValueError(f'slow path needs at least 2 harvested prompt groups, got {len(names)}')
-    held_out_rows = np.isin(groups, rng.permutation(names)[:held])
-  train_rows, held_rows = np.flatnonzero(~held_out_rows), np.flatnonzero(held_out_rows)
-  take = lambda index: jax.tree.map(lambda x: x[index], pairs)
-  train = take(train_rows)
-  order = np.stack([rng.choice(len(train_rows), min(config.batch_size, len(train_rows)),
-                               replace=False) for _ in range(config.steps)])
+  split = split_rows(config, pairs, groups, seed)
   mask = jnp.asarray(heads_mask, jnp.float32)
   start = opt_state if config.persistent_optimizer else init_optimizer_state(config, head_params)
   trained, trained_state, loss = _train(heads_config, model_config, config, head_params, start,
-                                        policy_params, train, mask, jnp.asarray(order))
+                                        policy_params, split.train, mask,
+                                        jnp.asarray(split.order))
   before = after = None
   if config.rollback:
-    held_out = take(held_rows)
+    held_out = split.held_out
     before = to_host(held_out_kl(heads_config, model_config, head_params, policy_params,
                                  held_out))
     after = to_host(held_out_kl(heads_config, model_config, trained, policy_params, held_out))

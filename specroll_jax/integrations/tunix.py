@@ -35,8 +35,8 @@ from specroll_jax.rl.grpo import token_logprobs
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.response import FINISH_EOS
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import (ENGINES, make_engine, parse_proposers,
-                                              with_group_drafts)
+from specroll_jax.speculative.factory import (ENGINES, learned_proposer, make_engine,
+                                              parse_proposers, with_group_drafts)
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.tree import TreeConfig
 
@@ -127,9 +127,10 @@ class EngineSettings:
   def __post_init__(self):
     if self.engine not in ENGINES:
       raise ValueError(f'engine must be one of {ENGINES}, got {self.engine!r}')
-    if self.engine == 'specroll' and 'heads' in parse_proposers(self.proposers):
+    if self.engine == 'specroll' and learned_proposer(parse_proposers(self.proposers)):
       raise ValueError('SpecRollRollout drafts with group drafts (proposers="group"): heads '
-                       'need a warm start on the policy, which tunix does not give an engine')
+                       'and the drafter need a warm start on the policy, which tunix does not '
+                       'give an engine')
 
 
 class SpecRollRollout(base_rollout.BaseRollout):

@@ -1,5 +1,11 @@
-"""The heads' slow timescale between rollout batches: monitor + consolidation, or the
-always-online baseline. Reflex (the fast timescale) lives inside the engine's proposer."""
+"""The learned proposer's slow timescale between rollout batches: monitor + consolidation,
+or the always-online baseline. Reflex (the fast timescale) lives inside the engine's proposer.
+
+`Adaptation` holds what the heads and the sequential drafter share (the monitor over the
+proposer's per-depth verifier statistics, the modes); `HeadAdaptation` trains horizon heads,
+rl/drafter_adaptation.py the drafter's block.
+"""
+import abc
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +29,10 @@ ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
 
 @struct.dataclass
 class HeadsState:
-  params: dict           # the horizon heads, as the slow path has adapted them
+  """The learned proposer's state in a run (TrainState.heads): horizon heads or a drafter."""
+  params: Any            # head params (dict) or DrafterParams, as the slow path adapted them
   opt_state: Any         # their optimizer state (consolidation.persistent_optimizer)
-  monitor: MonitorState  # the slow path's monitor
+  monitor: MonitorState  # the slow path's monitor, one watch per head or drafter depth
 
 
 def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Path):
@@ -44,42 +51,36 @@ def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Pat
   return heads_config, params, directory
 
 
-class HeadAdaptation:
-  """`observe` reads the rollout's verifier feedback before the GRPO update and decides which
-  heads to train; only then does the update harvest pairs (the harvest costs ~19% of a W1
-  update), so a slow-path step without a trigger pays nothing for the heads."""
+class Adaptation(abc.ABC):
+  """`observe` reads the rollout's verifier feedback before the GRPO update and decides what
+  to train; only then does the update harvest pairs (the harvest costs ~19% of a W1 update),
+  so a slow-path step without a trigger pays nothing for the proposer. Subclasses give
+  `init_state` and `train`; `watches` are the monitor's per-depth windows (len(branching)),
+  `trainable` the triggers' length (heads, or the drafter's depths)."""
 
-  def __init__(self, c, policy: Policy, heads_config: HeadsConfig, branching: tuple, proposer):
+  def __init__(self, c, branching: tuple, proposer, trainable: int):
     self.mode = c.adaptation.mode
     self.monitor_config = build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
     # The always-online baseline is tuned on its own (WORKSPACE_NOTES, issue 15).
     section = 'online' if self.mode == 'online' else 'consolidation'
     self.consolidation_config = build(ConsolidationConfig, c.adaptation[section],
                                       f'adaptation.{section}')
-    self.branching = branching
-    self.policy_config, self.heads_config = policy.config, heads_config
-    self.proposer = proposer
+    self.branching, self.proposer, self.trainable = branching, proposer, trainable
 
   @property
   def harvests(self) -> bool:
     return self.mode in ('online', 'slow', 'both')
 
-  def init_state(self, params, mesh) -> HeadsState:
-    config = self.consolidation_config
-    params = jax.device_put(params, head_sharding(mesh, params))
-    opt_state = consolidation.init_optimizer_state(config, params)
-    opt_state = jax.device_put(opt_state, optimizer_sharding(
-        mesh, consolidation.make_optimizer(config), opt_state, head_sharding(mesh, params)))
-    return HeadsState(params=params, opt_state=opt_state,
-                      monitor=MonitorState.init(self.monitor_config, len(self.branching)))
+  def init_monitor(self) -> MonitorState:
+    return MonitorState.init(self.monitor_config, len(self.branching))
 
   def observe(self, heads: HeadsState, responses):
-    """Returns (heads, triggered bool [num_heads], metrics) after one rollout batch."""
+    """Returns (heads, triggered bool [trainable], metrics) after one rollout batch."""
     window = monitor.window_stats(
         [self.proposer.head_stats(r.stats.proposer) for r in responses], self.branching)
     metrics = {'head_acceptance': window.acceptance.round(4).tolist(),
                'head_regret': window.regret.round(4).tolist()}
-    triggered = np.zeros(self.heads_config.num_heads, bool)
+    triggered = np.zeros(self.trainable, bool)
     if self.mode == 'online':
       triggered[:] = True
     elif self.harvests:
@@ -90,20 +91,50 @@ class HeadAdaptation:
     return heads, triggered, metrics
 
   def consolidate(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
-    """Trains the triggered heads on the GRPO forward's harvest of the responses; `groups`
+    """Trains what `triggered` names on the GRPO forward's harvest of the responses; `groups`
     are the rows' prompt indices. The pairs come from the pre-update policy's forward, so
     `policy_params` must be that policy's. Returns (heads, metrics)."""
-    result = consolidation.consolidate(self.heads_config, self.policy_config,
-                                       self.consolidation_config, heads.params, heads.opt_state,
-                                       policy_params, pairs, triggered, seed, groups=groups)
-    watch, metrics = heads.monitor, {}
+    params, opt_state, kept, metrics = self.train(heads, triggered, policy_params, pairs,
+                                                  groups, seed)
+    watch = heads.monitor
     if self.mode != 'online':
       watched = len(self.branching)
       watch = monitor.after_update(self.monitor_config, watch, triggered[:watched],
-                                   result.kept[:watched])
-      metrics['kept'] = np.flatnonzero(result.kept).tolist()
+                                   kept[:watched])
+      metrics['kept'] = np.flatnonzero(kept).tolist()
+    heads = HeadsState(params=params, opt_state=opt_state, monitor=watch)
+    return jax.block_until_ready(heads), metrics
+
+  @abc.abstractmethod
+  def init_state(self, params, mesh) -> HeadsState:
+    """The state a run starts from, placed on `mesh`."""
+
+  @abc.abstractmethod
+  def train(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
+    """Returns (params, optimizer state, kept bool [trainable], metrics)."""
+
+
+class HeadAdaptation(Adaptation):
+  """Each triggered head trains alone (adapt/consolidation.py)."""
+
+  def __init__(self, c, policy: Policy, heads_config: HeadsConfig, branching: tuple, proposer):
+    super().__init__(c, branching, proposer, heads_config.num_heads)
+    self.policy_config, self.heads_config = policy.config, heads_config
+
+  def init_state(self, params, mesh) -> HeadsState:
+    config = self.consolidation_config
+    params = jax.device_put(params, head_sharding(mesh, params))
+    opt_state = consolidation.init_optimizer_state(config, params)
+    opt_state = jax.device_put(opt_state, optimizer_sharding(
+        mesh, consolidation.make_optimizer(config), opt_state, head_sharding(mesh, params)))
+    return HeadsState(params=params, opt_state=opt_state, monitor=self.init_monitor())
+
+  def train(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
+    result = consolidation.consolidate(self.heads_config, self.policy_config,
+                                       self.consolidation_config, heads.params, heads.opt_state,
+                                       policy_params, pairs, triggered, seed, groups=groups)
+    metrics = {}
     if result.kl_before is not None:
       metrics.update(head_kl_before=result.kl_before.round(4).tolist(),
                      head_kl_after=result.kl_after.round(4).tolist())
-    heads = HeadsState(params=result.params, opt_state=result.opt_state, monitor=watch)
-    return jax.block_until_ready(heads), metrics
+    return result.params, result.opt_state, result.kept, metrics

@@ -25,6 +25,7 @@ from specroll_jax.model.transformer import Transformer
 from specroll_jax.model.vocab_chunks import rows_per_chunk
 from specroll_jax.rl import grpo, lora
 from specroll_jax.rl.learner import grpo_config
+from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
 GIB = 2 ** 30
@@ -39,16 +40,18 @@ class Workload:
   lora_rank: int = 0
   lora_targets: str = lora.DEFAULT_TARGETS
   heads: HeadsConfig | None = None
+  drafter: DrafterConfig | None = None
   stream_logits: bool = False  # grpo.stream_logits
   scored_width: int = 0        # positions per row the loss projects (grpo.score_span; 0 = all)
 
   @classmethod
-  def from_config(cls, c, width: int, heads: HeadsConfig | None) -> 'Workload':
+  def from_config(cls, c, width: int, heads: HeadsConfig | None,
+                  drafter: DrafterConfig | None = None) -> 'Workload':
     g = grpo_config(c, 0)
     return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=g.micro_batch_size, learner_width=width,
                lora_rank=g.lora_rank, lora_targets=g.lora_targets, heads=heads,
-               stream_logits=g.stream_logits, scored_width=g.score_span)
+               drafter=drafter, stream_logits=g.stream_logits, scored_width=g.score_span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,12 @@ def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:
         jax.random.key(0), jnp.zeros((1, config.hidden_size)))['params'])
     # The slow path's AdamW moments exist while it consolidates.
     parts.append(('heads + their optimizer', 3 * _shard_bytes(mesh, heads, HEAD_RULES)))
+  if workload.drafter is not None:
+    block = jax.eval_shape(lambda: init_drafter(
+        workload.drafter, config, jnp.zeros(workload.drafter.vocab_size(config), jnp.int32)
+    ).weights)
+    # Replicated (rl/drafter_adaptation.py), with its AdamW moments.
+    parts.append(('drafter block + its optimizer', 3 * _shard_bytes(mesh, block, ())))
   layer = jax.ShapeDtypeStruct((workload.rollout_rows, config.num_kv_heads,
                                  workload.cache_length, config.head_dim), config.activation_dtype)
   cache = 2 * config.num_layers * _piece_bytes(mesh, layer, cache_layer_spec(mesh, layer.shape))

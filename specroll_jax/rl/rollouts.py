@@ -1,10 +1,11 @@
 """The rollout side of a GRPO run: an engine and its driver, fed the learner's current params.
 
-The learner and the rollouts meet only in `Rollouts.generate(policy_params, head_params,
-prompts, seed)`, so the engine is a config switch and speculation changes nothing in GRPO.
+The learner and the rollouts meet only in `Rollouts.generate(policy_params, heads, prompts,
+seed)`, so the engine is a config switch and speculation changes nothing in GRPO.
 The `rollout` config section has one subsection per dataclass it builds: sampler
 (SamplerConfig), driver (RolloutConfig), tree (TreeConfig), head_drafts (HeadDraftConfig),
-group (GroupDraftConfig), gate (GateConfig).
+group (GroupDraftConfig), gate (GateConfig). The drafter's spine is c.drafter.branching
+(rl/drafter_adaptation.py).
 """
 import dataclasses
 import hashlib
@@ -17,9 +18,12 @@ from specroll_jax.adapt.reflex import ReflexConfig
 from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.model.policy import Policy
 from specroll_jax.rl import distributed
+from specroll_jax.rl.drafter_adaptation import drafter_branching
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
+from specroll_jax.speculative.drafter import DrafterConfig
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.factory import (head_proposer, make_engine, parse_proposers,
                                               tree_config, with_group_drafts)
 from specroll_jax.speculative.gate import GateConfig
@@ -91,7 +95,8 @@ class Rollouts:
   """
 
   def __init__(self, policy: Policy, c, heads_config: HeadsConfig | None, heads_dir: Path | None,
-               prompt_width: int, mesh, step_costs_path: Path | None = None):
+               prompt_width: int, mesh, step_costs_path: Path | None = None,
+               drafter: DrafterConfig | None = None):
     r = c.rollout
     self.group_size = r.group_size
     gated = r.engine == 'specroll' and r.speculation_gate
@@ -107,6 +112,9 @@ class Rollouts:
         if c.adaptation.mode in ('reflex', 'both'):
           self.proposer = ReflexProposer(
               self.proposer, build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex'))
+      elif 'drafter' in names:
+        self.proposer = DrafterProposer(policy.config, drafter,
+                                        spine_paths(drafter_branching(c)), sampler_config(c))
       self.proposer = with_group_drafts(self.proposer, names,
                                         build(GroupDraftConfig, r.group, 'rollout.group'))
       tree = distributed.agreed_tree_config(
@@ -120,7 +128,8 @@ class Rollouts:
     self.driver = Driver(self.engine, driver_config(c, prompt_width))
 
   def generate(self, policy_params, heads, prompts, seed):
-    """Responses to `prompts` x group_size; `heads` is the HeadsState (None: no heads)."""
+    """Responses to `prompts` x group_size; `heads` is the learned proposer's HeadsState
+    (None: none drafts)."""
     params = self.engine.params(policy_params, heads and heads.params)
     if self.unpriced:
       self._price_gate(params, prompts)

@@ -21,14 +21,17 @@ from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, memory
 from specroll_jax.rl.audit import Audit, AuditConfig
 from specroll_jax.rl.evaluation import EvaluationConfig, HeldOutEvaluation, held_out_tasks
-from specroll_jax.rl.head_adaptation import ADAPTATION_MODES, HeadAdaptation, warm_start_heads
+from specroll_jax.rl.drafter_adaptation import (DrafterAdaptation, drafter_branching,
+                                                drafter_training, warm_start_run_drafter)
+from specroll_jax.rl.head_adaptation import (ADAPTATION_MODES, Adaptation, HeadAdaptation,
+                                             warm_start_heads)
 from specroll_jax.rl.learner import Learner, TrainState, grpo_config
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
 from specroll_jax.rl.resources import return_large_frees_to_the_os
 from specroll_jax.rl.rollouts import (Rollouts, check_tree_section, driver_config,
                                       head_draft_config, run_prompt_width, sampler_config)
 from specroll_jax.rl.sections import build
-from specroll_jax.speculative.factory import ENGINES, parse_proposers
+from specroll_jax.speculative.factory import ENGINES, learned_proposer, parse_proposers
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.tasks.default_policy import ensure_default_policy
@@ -54,9 +57,18 @@ def check_config(c) -> None:
   driver = driver_config(c, prompt_width=16)
   check_tree_section(c)
   head_draft_config(c)
-  if 'heads' not in parse_proposers(c.rollout.proposers) and c.adaptation.mode != 'static':
-    raise ValueError(f'config adaptation.mode={c.adaptation.mode!r} adapts the heads, but '
-                     f'rollout.proposers={c.rollout.proposers!r} has none (use mode=static)')
+  learned = learned_proposer(parse_proposers(c.rollout.proposers))
+  if learned is None and c.adaptation.mode != 'static':
+    raise ValueError(f'config adaptation.mode={c.adaptation.mode!r} adapts heads or a drafter, '
+                     f'but rollout.proposers={c.rollout.proposers!r} has neither (use '
+                     'mode=static)')
+  if learned == 'drafter':
+    if c.adaptation.mode in ('reflex', 'both'):
+      raise ValueError(f'config adaptation.mode={c.adaptation.mode!r}: Reflex corrects horizon '
+                       'heads and does not apply to the drafter (speculative/'
+                       'drafter_proposer.py); use static, slow or online')
+    drafter_training(c)
+    drafter_branching(c)
   build(GroupDraftConfig, c.rollout.group, 'rollout.group')
   build(GateConfig, c.rollout.gate, 'rollout.gate')
   build(AuditConfig, c.audit, 'audit')
@@ -95,7 +107,7 @@ class Run:
   rollouts: Rollouts
   audit: Audit
   evaluation: HeldOutEvaluation      # held-out prompts, never trained on
-  adaptation: HeadAdaptation | None  # None when no heads draft
+  adaptation: Adaptation | None      # of the heads or the drafter; None when neither drafts
   learner: Learner
   checkpoints: ocp.CheckpointManager
   metrics: MetricsLog
@@ -128,30 +140,38 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
   # Encoded once: rollouts, the learner's width and warm-start data all use these ids.
   task_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in tasks]
-  heads_dir = heads_config = heads = None
-  if c.rollout.engine == 'specroll' and 'heads' in parse_proposers(c.rollout.proposers):
+  heads_dir = heads_config = heads = drafter = None
+  learned = (learned_proposer(parse_proposers(c.rollout.proposers))
+             if c.rollout.engine == 'specroll' else None)
+  if learned == 'heads':
     heads_config, heads, heads_dir = distributed.primary_first(
         'heads', lambda: warm_start_heads(policy, c, task_prompts, workdir, policy_dir))
+  elif learned == 'drafter':
+    drafter, heads = distributed.primary_first(
+        'drafter', lambda: warm_start_run_drafter(policy, c, task_prompts, workdir, policy_dir))
   mesh = make_mesh(build(MeshConfig, c.mesh, 'mesh'))
   evaluation_config = build(EvaluationConfig, c.evaluation, 'evaluation')
   held_out = held_out_tasks(evaluation_config, c, tasks) if evaluation_config.every else []
   held_out_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in held_out]
   prompt_width = run_prompt_width(task_prompts + held_out_prompts)
   width = prompt_width + c.rollout.driver.max_new_tokens
-  report = memory.report(policy.config, memory.Workload.from_config(c, width, heads_config),
+  report = memory.report(policy.config,
+                         memory.Workload.from_config(c, width, heads_config, drafter),
                          dict(mesh.shape))
   if primary:
     print(report.table(), file=sys.stderr)
   rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width, mesh,
-                      workdir / STEP_COSTS_FILE)
+                      workdir / STEP_COSTS_FILE, drafter)
   audit = Audit(policy, build(AuditConfig, c.audit, 'audit'), sampler_config(c),
                 rollouts.driver.config, c.rollout.group_size, mesh)
   evaluation = HeldOutEvaluation(evaluation_config, policy, held_out, held_out_prompts,
                                  sampler_config(c), rollouts.driver.config, c.task.reward, mesh)
   adaptation = None
-  if heads is not None:
+  if learned == 'heads':
     adaptation = HeadAdaptation(c, policy, heads_config, head_draft_config(c).branching,
                                 rollouts.proposer)
+  elif learned == 'drafter':
+    adaptation = DrafterAdaptation(c, policy, drafter, rollouts.proposer)
   learner = Learner(c, policy, width, mesh)
   state = learner.init_state(None if adaptation is None else adaptation.init_state(heads, mesh))
   checkpoints = ocp.CheckpointManager(

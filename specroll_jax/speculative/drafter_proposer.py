@@ -25,8 +25,9 @@ cannot see the root are miscalibrated by construction, the drafter's are not.
 Reflex does not apply: it corrects a head's output for a fixed horizon from delayed
 feedback, while the drafter's depth-d state depends on the tokens drafted before it, so a
 correction learned for one draft path does not carry to the next step's. The slow path
-would update the drafter's block on the learner's harvested pairs with its own loss
-(adapt/drafter_training.py); it is not wired into the trainer yet.
+trains the drafter's block on the learner's harvested pairs with its own loss
+(adapt/drafter_consolidation.py, rl/drafter_adaptation.py), watching these per-depth
+statistics as it watches the heads'.
 """
 import dataclasses
 from functools import cached_property
@@ -167,3 +168,7 @@ class DrafterProposer(Proposer):
 
   def row_stats(self, state: HeadStats) -> HeadStats:
     return state
+
+  def head_stats(self, stats: HeadStats) -> HeadStats:
+    """Per-depth statistics along the first expanded candidates (what the slow path reads)."""
+    return stats
