@@ -117,6 +117,18 @@ def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanil
       jax.tree.leaves(trained['params']['weights']), jax.tree.leaves(warm.weights))]
   assert kept and any(changed), [m.get('drafter_loss_after') for m in a]
   np.testing.assert_array_equal(trained['params']['vocab_ids'], warm.vocab_ids)
+  # Stopped after step 2 and resumed: the block, its Adam state and the monitor come back
+  # from the checkpoint, and step 3 is the straight run's.
+  _trained_with_trees(tmp_path / 'resumed', **overrides, steps=2)
+  train(_config(rollout__engine='specroll', **{k.replace('.', '__'): v
+                                               for k, v in overrides.items()}),
+        tmp_path / 'resumed')
+  strip = lambda rows: [{k: v for k, v in m.items() if not k.startswith(MEASURED)} for m in rows]
+  assert strip(_metrics(tmp_path / 'resumed')) == strip(a)
+  manager = ocp.CheckpointManager((tmp_path / 'resumed' / 'checkpoints').resolve())
+  resumed = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())['heads']
+  for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(trained)):
+    np.testing.assert_array_equal(x, y)
 
 
 # Kills land in the first phases of a step; each is checked to have landed where meant. A
