@@ -1,11 +1,11 @@
-"""Head-adaptation ablation: the same seeded GRPO run with every variant, in one process.
+"""Adaptation ablation: the same seeded GRPO run with every variant, in one process.
 
   python -m experiments.bench_adaptation --config=configs/ablation_w1.py
 
 Variants (rl.head_adaptation.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
 slow path only, both. Every variant starts from the same policy, data, seed and warm-started
-heads (trained once, copied), and emits the same tokens (their rollout digests are
-compared). Times are sums over the steps after `warmup_steps` (the first steps compile the
+heads or drafter (rollout.proposers; trained once, or c.initial_heads, and copied), and emits
+the same tokens (their rollout digests are compared). Times are sums over the steps after `warmup_steps` (the first steps compile the
 engine's shapes, including the compaction gathers as rows first finish), medians over
 `repeats` runs of every variant in alternating order; tau is per step.
 """
@@ -22,11 +22,17 @@ from ml_collections import config_flags
 
 from experiments.common import run_fresh, totals
 from specroll_jax.rl.resources import restart_with_large_frees_returned
+from specroll_jax.speculative.factory import learned_proposer, parse_proposers
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/ablation_w1.py')
+
+
+def learned_directory(c) -> str:
+  """Where a run keeps its warm-started heads ('heads') or drafter ('drafter')."""
+  return learned_proposer(parse_proposers(c.rollout.proposers))
 
 
 def run_variant(c, name: str, heads_source: Path | None) -> list[dict]:
@@ -36,8 +42,8 @@ def run_variant(c, name: str, heads_source: Path | None) -> list[dict]:
     run.rollout.engine = 'vanilla'
   else:
     run.adaptation.mode = name
-    if heads_source is not None and not (workdir / 'heads').exists():
-      shutil.copytree(heads_source, workdir / 'heads')
+    if heads_source is not None and not (workdir / learned_directory(c)).exists():
+      shutil.copytree(heads_source, workdir / learned_directory(c))
   return run_fresh(run, workdir)
 
 
@@ -140,7 +146,7 @@ def write_outputs(c, result: dict, out: Path) -> str:
                  'different data): ' + ', '.join(f'{n} {k}' for n, k in same_steps.items()) + '.')
   summary = '\n'.join(f'- {k}: {v:.3f}x' for k, v in speed.items())
   (out / 'README.md').write_text(
-      f"# Head-adaptation ablation ({Path(c.out_dir).name})\n\nCommand: `{result['command']}`\n\n"
+      f"# Adaptation ablation ({Path(c.out_dir).name}, {learned_directory(c)})\n\nCommand: `{result['command']}`\n\n"
       f"{c.steps} GRPO steps, {c.rollout.prompts_per_step} prompts x {c.rollout.group_size} "
       f"samples x <= {c.rollout.driver.max_new_tokens} tokens; drift KL(current || initial) at the "
       f"last step {result['drift_kl_last']:.3f} nats/token; identical rollouts across "
@@ -179,7 +185,7 @@ def main(argv):
     for name in names if repeat % 2 == 0 else names[::-1]:
       runs[name].append(run_variant(c, name, None if name == 'vanilla' else heads_source))
       if name != 'vanilla':
-        heads_source = heads_source or Path(c.workdir) / name / 'heads'
+        heads_source = heads_source or Path(c.workdir) / name / learned_directory(c)
       # Every run compiles its own engines; dropping the last run's keeps memory flat.
       jax.clear_caches()
   variants = {name: variant_result(repeats, c.window, c.warmup_steps)
