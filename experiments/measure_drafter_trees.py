@@ -22,14 +22,13 @@ import json
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 from absl import app, flags
 
-from experiments.rank_trees import RANKS, best_tree, drafter_rank_paths, held_out_tau, is_spine
+from experiments.rank_trees import (RANKS, best_tree, drafter_answer_paths, held_out_tau,
+                                   is_spine)
 from specroll_jax import load_policy
 from specroll_jax.adapt.distill import WarmStart, generated_pairs
-from specroll_jax.adapt.drafter_training import drawn_ranks
 from specroll_jax.speculative.drafter import load_drafter
 from specroll_jax.tasks.sources import load_tasks
 
@@ -47,20 +46,6 @@ _OUT_DIR = flags.DEFINE_string('trees_out_dir', 'results/drafts_w3/drafter_trees
 # Nodes per tree, root included: experiments.bench_drafts' budgets, and candidate pools
 # for them.
 TREE_NODES = (4, 8, 16, 32, 48, 64)
-ROWS_PER_FORWARD = 8
-
-
-def answer_paths(config, drafter, policy, pairs) -> list:
-  """The drafter's rank paths at every position of `pairs` whose next token (the root the
-  verifier draws) is real."""
-  paths = []
-  for start in range(0, pairs.tokens.shape[0], ROWS_PER_FORWARD):
-    chunk = jax.tree.map(lambda x: x[start:start + ROWS_PER_FORWARD], pairs)
-    ranks = np.asarray(drawn_ranks(config, policy.config, drafter, policy.params, chunk, RANKS))
-    valid = np.asarray(chunk.valid)
-    roots = valid & np.pad(valid[:, 1:], ((0, 0), (0, 1)))
-    paths += drafter_rank_paths(ranks[roots])
-  return paths
 
 
 def main(argv):
@@ -77,7 +62,7 @@ def main(argv):
   plan = WarmStart(num_sequences=count // 2, held_out=count - count // 2,
                    max_new_tokens=_MAX_NEW_TOKENS.value, temperature=1.0,
                    seed=_SAMPLING_SEED.value)
-  halves = [answer_paths(config, drafter, policy, pairs)
+  halves = [drafter_answer_paths(config, drafter, policy, pairs)
             for pairs in generated_pairs(policy, prompts, plan, top_k=1)]
   every = halves[0] + halves[1]
   first_ranks = np.array([p[0] if p else RANKS for p in every])

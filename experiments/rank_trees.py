@@ -8,10 +8,15 @@ tree holds the N-1 most frequent rank paths (a path is never more frequent than 
 Used by experiments.measure_draft_ceiling (the policy's own law) and
 experiments.measure_drafter_trees (the drafter's law, whose ranks depend on the depth).
 """
+import jax
 import numpy as np
+
+from specroll_jax.adapt.drafter_training import drawn_ranks
 
 # Ranks at or above this are misses: the policy's top-RANKS is all a law is read to.
 RANKS = 8
+# Answers per teacher-forced drafter forward (its laws over the draft vocabulary are large).
+ROWS_PER_FORWARD = 8
 
 
 def rank_paths(ranks: np.ndarray, depth: int):
@@ -73,3 +78,16 @@ def held_out_tau(halves, nodes: int, allowed=lambda path: True) -> float:
   ways, averaged."""
   return float(np.mean([tree_tau(best_tree(halves[k], nodes, allowed), halves[1 - k])
                         for k in (0, 1)]))
+
+
+def drafter_answer_paths(config, drafter, policy, pairs) -> list:
+  """The drafter's rank paths at every position of `pairs` whose next token (the root the
+  verifier draws) is real."""
+  paths = []
+  for start in range(0, pairs.tokens.shape[0], ROWS_PER_FORWARD):
+    chunk = jax.tree.map(lambda x: x[start:start + ROWS_PER_FORWARD], pairs)
+    ranks = np.asarray(drawn_ranks(config, policy.config, drafter, policy.params, chunk, RANKS))
+    valid = np.asarray(chunk.valid)
+    roots = valid & np.pad(valid[:, 1:], ((0, 0), (0, 1)))
+    paths += drafter_rank_paths(ranks[roots])
+  return paths

@@ -34,42 +34,89 @@ class DrafterTraining:
   learning_rate: float = 2e-3
   batch_size: int = 16          # sequences (response spans) per step
   steps: int = 400
+  # Weight of a feature loss (EAGLE's): depth d's state z_d regressed (smooth L1, mean over
+  # the hidden size) onto the policy's own hidden state at t + d, whose projection is the
+  # policy's law there. 0: the soft cross-entropy alone.
+  feature_weight: float = 0.0
+
+
+def _unrolled_states(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
+                     policy_params, batch: HeadPairs):
+  """Each depth's teacher-forced state ([depth] of z_d [B, T, D]) and the policy's projection
+  rows of the draft vocabulary [V_d, D]."""
+  model = Transformer(model_config)
+  draft_rows = model.apply({'params': policy_params}, params.vocab_ids, method=model.vocab_rows)
+  embedded = model.apply({'params': policy_params}, batch.tokens, method=model.embed)
+  z = batch.hidden.astype(jnp.float32)
+  states = []
+  for d in range(1, config.depth + 1):
+    z = drafter_step(config, model_config, params.weights, z, shifted(embedded, d))
+    states.append(z)
+  return states, draft_rows
 
 
 def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
                      policy_params, batch: HeadPairs):
   """Draft-vocabulary log-probs of each depth, teacher-forced: [depth] of [B, T, V_d]."""
-  model = Transformer(model_config)
-  draft_rows = model.apply({'params': policy_params}, params.vocab_ids, method=model.vocab_rows)
-  embedded = model.apply({'params': policy_params}, batch.tokens, method=model.embed)
-  z = batch.hidden.astype(jnp.float32)
-  out = []
-  for d in range(1, config.depth + 1):
-    z = drafter_step(config, model_config, params.weights, z, shifted(embedded, d))
-    out.append(jax.nn.log_softmax(z @ draft_rows.T, axis=-1))
-  return out
+  return _log_probs(*_unrolled_states(config, model_config, params, policy_params, batch))
 
 
-def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
-                 policy_params, batch: HeadPairs):
-  """Per depth (soft cross-entropy sum, positions): depth d at t is scored where x_{t+d} is a
-  real token (the policy's law at t + d exists)."""
+def _log_probs(states, draft_rows):
+  return [jax.nn.log_softmax(z @ draft_rows.T, axis=-1) for z in states]
+
+
+def _scored(batch: HeadPairs, d: int):
+  """Depth d at t is scored where x_{t+d} is a real token (the policy's law at t + d exists)."""
+  return batch.valid & shifted(batch.valid, d)
+
+
+def _soft_cross_entropy(params: DrafterParams, logits, batch: HeadPairs):
+  """Per depth (soft cross-entropy sum, positions) from the depths' log-probs."""
   losses, counts = [], []
-  for d, logq in enumerate(_unrolled_logits(config, model_config, params, policy_params, batch),
-                           start=1):
+  for d, logq in enumerate(logits, start=1):
     index, inside = vocabulary_index(params.vocab_ids, shifted(batch.target_ids, d))
     p = jnp.exp(shifted(batch.target_logp, d))
     ce = -jnp.sum(jnp.where(inside, p * jnp.take_along_axis(logq, index, axis=-1), 0.0), -1)
-    mask = batch.valid & shifted(batch.valid, d)
+    mask = _scored(batch, d)
     losses.append(jnp.sum(jnp.where(mask, ce, 0.0)))
     counts.append(jnp.sum(mask))
   return jnp.stack(losses), jnp.stack(counts)
 
 
+def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
+                 policy_params, batch: HeadPairs):
+  """Per depth (soft cross-entropy sum, positions)."""
+  return _soft_cross_entropy(
+      params, _unrolled_logits(config, model_config, params, policy_params, batch), batch)
+
+
+def _feature_losses(states, batch: HeadPairs):
+  """Per depth, the smooth L1 distance of z_d to the policy's hidden state at t + d, summed
+  over scored positions [depth]."""
+  out = []
+  for d, z in enumerate(states, start=1):
+    distance = jnp.mean(optax.huber_loss(z, shifted(batch.hidden, d).astype(jnp.float32)), -1)
+    out.append(jnp.sum(jnp.where(_scored(batch, d), distance, 0.0)))
+  return jnp.stack(out)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def feature_distances(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
+                      batch: HeadPairs):
+  """Per depth, the mean smooth L1 distance of the teacher-forced z_d to the policy's hidden
+  state at t + d [depth]."""
+  states, _ = _unrolled_states(config, model_config, params, policy_params, batch)
+  counts = jnp.stack([jnp.sum(_scored(batch, d)) for d in range(1, config.depth + 1)])
+  return _feature_losses(states, batch) / jnp.maximum(counts, 1)
+
+
 def drafter_loss(config: DrafterConfig, model_config, training: DrafterTraining, weights,
                  vocab_ids, policy_params, batch: HeadPairs):
   params = DrafterParams(weights=weights, vocab_ids=vocab_ids)
-  loss, count = depth_losses(config, model_config, params, policy_params, batch)
+  states, draft_rows = _unrolled_states(config, model_config, params, policy_params, batch)
+  loss, count = _soft_cross_entropy(params, _log_probs(states, draft_rows), batch)
+  if training.feature_weight:
+    loss = loss + training.feature_weight * _feature_losses(states, batch)
   decay = training.depth_decay ** jnp.arange(config.depth)
   return jnp.sum(decay * loss / jnp.maximum(count, 1)) / jnp.sum(decay)
 
