@@ -10,6 +10,12 @@ answers, 400 steps, an 8,192-token draft vocabulary), each variant starting from
 spine has the heads' candidates per depth (4, 2, 2, 1), so the two ablations draft trees of
 the same shape. Reflex does not apply to the drafter, so the variants are static, slow
 and online.
+
+The block's updates run at 2e-4, its warm start's last learning rate (cosine from 2e-3 to a
+tenth), not at the heads' 1e-3: at 1e-3 every update lowered the drafter's tau (slow: 1.51 ->
+1.36 after its first update, online 1.54 -> 1.40 at step 2; results/adaptation_smol_drafter/
+lr_1e-3), as the first steps of fresh Adam moments move all 2.0 M weights by about the
+learning rate, a few percent of their scale, in the sign of one small batch's gradient.
 """
 from configs.adaptation_smol import get_config as heads_config
 
@@ -19,6 +25,8 @@ def get_config():
   c.rollout.proposers = 'drafter'
   c.drafter.branching = (4, 2, 2, 1)
   c.initial_heads = 'workdir/drafter_smollm2_gsm8k'
+  for section in (c.adaptation.consolidation, c.adaptation.online):
+    section.learning_rate = 2e-4
   c.variants = ('static', 'slow', 'online')
   c.out_dir = 'results/adaptation_smol_drafter'
   c.workdir = 'workdir/adaptation_smol_drafter'
