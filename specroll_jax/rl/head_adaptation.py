@@ -55,8 +55,8 @@ class Adaptation(abc.ABC):
   """`observe` reads the rollout's verifier feedback before the GRPO update and decides what
   to train; only then does the update harvest pairs (the harvest costs ~19% of a W1 update),
   so a slow-path step without a trigger pays nothing for the proposer. Subclasses give
-  `init_state` and `train`; `watches` are the monitor's per-depth windows (len(branching)),
-  `trainable` the triggers' length (heads, or the drafter's depths)."""
+  `init_state` and `train`. The monitor watches one window per depth of `branching`;
+  `trainable` is the triggers' length (the heads, or the drafter's depths)."""
 
   def __init__(self, c, branching: tuple, proposer, trainable: int):
     self.mode = c.adaptation.mode
