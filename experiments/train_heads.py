@@ -24,7 +24,7 @@ when its drafter is missing):
   python -m experiments.train_heads --proposer=drafter \
     --checkpoint=workdir/models/smollm2-135m-instruct --gsm8k_train --num_sequences=768 \
     --chat_template --held_out=32 --max_new_tokens=256 --steps=400 --batch_size=16 \
-    --learning_rate=2e-3 --out=workdir/drafter_smollm2_gsm8k
+    --learning_rate=2e-3 --hidden_multiplier=2.0 --out=workdir/drafter_smollm2_gsm8k
 """
 import time
 from pathlib import Path
