@@ -64,6 +64,9 @@ flags.DEFINE_float('hidden_multiplier', 1.0,
 flags.DEFINE_integer('steps', 800, 'Optimizer steps.')
 flags.DEFINE_integer('batch_size', 32, 'Sequences per step.')
 flags.DEFINE_float('learning_rate', 3e-3, 'AdamW learning rate.')
+flags.DEFINE_float('feature_weight', 0.0,
+                   '--proposer=drafter: weight of the feature loss (DrafterTraining.feature_weight; '
+                   'experiments.ablate_drafter_training measures it).')
 flags.DEFINE_integer('seed', 0, 'Seed for generation, init and batching.')
 flags.mark_flags_as_required(['out'])
 FLAGS = flags.FLAGS
@@ -98,7 +101,8 @@ def main(argv):
     config = DrafterConfig(depth=FLAGS.num_heads, hidden_multiplier=FLAGS.hidden_multiplier,
                            draft_vocab_size=FLAGS.draft_vocab_size)
     training = DrafterTraining(batch_size=FLAGS.batch_size, steps=FLAGS.steps,
-                               learning_rate=FLAGS.learning_rate)
+                               learning_rate=FLAGS.learning_rate,
+                               feature_weight=FLAGS.feature_weight)
     _, metadata = warm_start_drafter(policy, config, training, prompts, plan, FLAGS.out,
                                      source=str(FLAGS.checkpoint))
     for d, (top1, mass) in enumerate(zip(metadata.top1_by_depth, metadata.mass_by_depth), 1):
