@@ -5,9 +5,10 @@
 Variants (rl.head_adaptation.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
 slow path only, both. Every variant starts from the same policy, data, seed and warm-started
 heads or drafter (rollout.proposers; trained once, or c.initial_heads, and copied), and emits
-the same tokens (their rollout digests are compared). Times are sums over the steps after `warmup_steps` (the first steps compile the
-engine's shapes, including the compaction gathers as rows first finish), medians over
-`repeats` runs of every variant in alternating order; tau is per step.
+the same tokens (their rollout digests are compared). Times are sums over the steps after
+`warmup_steps` (the first steps compile the engine's shapes, including the compaction
+gathers as rows first finish), medians over `repeats` runs of every variant in alternating
+order; tau is per step.
 """
 import json
 import shutil

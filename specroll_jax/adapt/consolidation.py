@@ -100,26 +100,32 @@ def _where_head_moments(config: ConsolidationConfig, keep, new, old):
                       is_moment, new, old)
 
 
+def scanned_steps(optimizer, loss, params, opt_state, batch: HeadPairs, order,
+                  gate=lambda tree: tree):
+  """Optax steps of loss(params, minibatch) over the row minibatches `order` [steps,
+  batch_size] of `batch`, as one scan inside the caller's jit; `gate` is applied to the
+  gradients and to the updates. Returns (params, optimizer state, last loss)."""
+  def step(carry, rows):
+    params, opt_state = carry
+    value, grads = jax.value_and_grad(loss)(params, jax.tree.map(lambda x: x[rows], batch))
+    updates, opt_state = optimizer.update(gate(grads), opt_state, params)
+    return (optax.apply_updates(params, gate(updates)), opt_state), value
+
+  (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), order)
+  return params, opt_state, losses[-1]
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
            opt_state, policy_params, batch: HeadPairs, mask, order):
   """`order` [steps, batch_size] row indices; Optax on the head pytree, masked per head.
   Returns (params, optimizer state, last loss)."""
-  optimizer = make_optimizer(config)
-  anchor = head_params
-
-  def step(carry, rows):
-    params, opt_state = carry
-    minibatch = jax.tree.map(lambda x: x[rows], batch)
-    loss, grads = jax.value_and_grad(
-        lambda p: _loss(heads_config, model_config, config, mask, anchor, p, policy_params,
-                        minibatch))(params)
-    updates, opt_state = optimizer.update(_per_head(grads, mask), opt_state, params)
-    # Adam's update of a zero gradient is zero; masking again keeps frozen heads bit-exact.
-    return (optax.apply_updates(params, _per_head(updates, mask)), opt_state), loss
-
-  (params, opt_state), losses = jax.lax.scan(step, (head_params, opt_state), order)
-  return params, opt_state, losses[-1]
+  loss = lambda params, minibatch: _loss(heads_config, model_config, config, mask, head_params,
+                                         params, policy_params, minibatch)
+  # Adam's update of a zero gradient is zero; masking the updates too keeps frozen heads
+  # bit-exact.
+  return scanned_steps(make_optimizer(config), loss, head_params, opt_state, batch, order,
+                       gate=lambda tree: _per_head(tree, mask))
 
 
 @partial(jax.jit, static_argnums=(0, 1))

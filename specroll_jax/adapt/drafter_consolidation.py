@@ -20,9 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from specroll_jax.adapt.consolidation import ConsolidationConfig, make_optimizer, split_rows
+from specroll_jax.adapt.consolidation import (ConsolidationConfig, make_optimizer,
+                                              scanned_steps, split_rows)
 from specroll_jax.adapt.drafter_training import DrafterTraining, depth_losses, drafter_loss
 from specroll_jax.model.mesh import to_host
 from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams
@@ -40,21 +40,10 @@ def _train(config: DrafterConfig, model_config, training: DrafterTraining,
            consolidation: ConsolidationConfig, weights, opt_state, vocab_ids, policy_params,
            batch: HeadPairs, order):
   """`order` [steps, batch_size] row indices. Returns (weights, optimizer state, last loss)."""
-  optimizer = make_optimizer(consolidation)
-  anchor = weights
-
-  def step(carry, rows):
-    weights, opt_state = carry
-    minibatch = jax.tree.map(lambda x: x[rows], batch)
-    loss, grads = jax.value_and_grad(
-        lambda w: drafter_loss(config, model_config, training, w, vocab_ids, policy_params,
-                               minibatch)
-        + consolidation.prox_weight * _proximal(w, anchor))(weights)
-    updates, opt_state = optimizer.update(grads, opt_state, weights)
-    return (optax.apply_updates(weights, updates), opt_state), loss
-
-  (weights, opt_state), losses = jax.lax.scan(step, (weights, opt_state), order)
-  return weights, opt_state, losses[-1]
+  loss = lambda w, minibatch: (
+      drafter_loss(config, model_config, training, w, vocab_ids, policy_params, minibatch)
+      + consolidation.prox_weight * _proximal(w, weights))
+  return scanned_steps(make_optimizer(consolidation), loss, weights, opt_state, batch, order)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
