@@ -9,8 +9,12 @@ The cache is stored head-major, keys [B, KVH, Dh, S] and values [B, KVH, S, Dh],
 the per-step score and value products are plain matmuls over it without a transpose: on
 CPU the transposes cost as much as the products.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from specroll_jax.model.invariant_attention import invariant_cache_attention
 
 # A finite stand-in for -inf so a fully masked query row yields zeros, not NaNs.
 _MASKED = -1e30
@@ -32,7 +36,8 @@ def cache_windows(cache_slots: int) -> tuple[int, ...]:
   return tuple(range(step, cache_slots, step)) + (cache_slots,)
 
 
-def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *, scale):
+def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, *, scale,
+                    body=None):
   """Grouped-query attention of a query block over cache prefix + block.
 
   Reads only the smallest cache window holding every row's valid slots (a `lax.switch`
@@ -47,12 +52,14 @@ def block_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, block_
     k_block, v_block: [B, T, KVH, Dh] keys/values of the block tokens.
     block_mask: bool [B, T, T], query i sees block key j.
     scale: softmax scale (usually Dh ** -0.5).
+    body: the attention over one window (`full_cache_attention` when None).
 
   Returns:
     [B, T, H, Dh] attention output in q's dtype.
   """
   windows = cache_windows(v_cache.shape[2])
-  attend = lambda window: lambda *args: full_cache_attention(
+  body = body or full_cache_attention
+  attend = lambda window: lambda *args: body(
       q, args[0][..., :window], args[1][:, :, :window], *args[2:], scale=scale)
   operands = (k_cache, v_cache, cache_lengths, k_block, v_block, block_mask)
   if len(windows) == 1:
@@ -87,6 +94,9 @@ def full_cache_attention(q, k_cache, v_cache, cache_lengths, k_block, v_block, b
   out = out.reshape(batch, num_kv, t_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, t_len, num_heads, head_dim).astype(q.dtype)
 
+
+# The bf16 compute mode's attention: the same windows, each read batch-invariantly.
+invariant_block_attention = functools.partial(block_attention, body=invariant_cache_attention)
 
 ATTENTION_IMPLEMENTATIONS = ('xla', 'pallas')
 

@@ -47,20 +47,50 @@ class ModelConfig:
   # matmul inputs with float32 accumulation, in experiments.measure_bf16 (WORKSPACE_NOTES,
   # "bfloat16"). No effect in float32.
   float32_decisions: bool = True
+  # 'bfloat16': every matmul takes bf16 inputs and accumulates in float32, every parameter
+  # is rounded to bf16 where it is used (rollouts get the rounded copy once per update), the
+  # residual stream, norms, softmax and logits are float32, and every row's result is
+  # bitwise the same whatever the batch, the cache window and the program (plain step,
+  # tree, prefill, learner): model/invariant.py. 'float32': today's arithmetic.
+  compute_dtype: str = 'float32'
+  # The KV cache's dtype; '' = the activation dtype. In the bf16 compute mode attention
+  # reads keys and values as bf16 either way, so only the bytes stored differ.
+  kv_cache_dtype: str = ''
+
+  def __post_init__(self):
+    for field in ('dtype', 'compute_dtype'):
+      if getattr(self, field) not in _DTYPES:
+        raise ValueError(f'ModelConfig.{field} must be one of {sorted(_DTYPES)}, '
+                         f'got {getattr(self, field)!r}')
+    if self.kv_cache_dtype not in ('',) + tuple(_DTYPES):
+      raise ValueError(f"ModelConfig.kv_cache_dtype must be '' or one of {sorted(_DTYPES)}, "
+                       f'got {self.kv_cache_dtype!r}')
 
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
 
   @property
+  def batch_invariant(self) -> bool:
+    """True in the bf16 compute mode, whose rows are bitwise independent of the batch."""
+    return self.compute_dtype == 'bfloat16'
+
+  @property
   def activation_dtype(self):
-    """The dtype of every activation and of the KV cache."""
-    return jnp.float32 if self.float32_decisions else self.jnp_dtype
+    """The dtype of every activation (outside the matmuls' bf16 inputs)."""
+    if self.batch_invariant or self.float32_decisions:
+      return jnp.float32
+    return self.jnp_dtype
+
+  @property
+  def cache_dtype(self):
+    return _DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else self.activation_dtype
 
   def with_dtype(self, dtype: str) -> 'ModelConfig':
-    if dtype not in _DTYPES:
-      raise ValueError(f'dtype must be one of {sorted(_DTYPES)}, got {dtype!r}')
     return dataclasses.replace(self, dtype=dtype)
+
+  def with_compute(self, compute_dtype: str, kv_cache_dtype: str = '') -> 'ModelConfig':
+    return dataclasses.replace(self, compute_dtype=compute_dtype, kv_cache_dtype=kv_cache_dtype)
 
   def to_hf_dict(self) -> dict:
     """The config.json transformers needs to rebuild this model."""

@@ -23,7 +23,7 @@ class KVCache:
 
   @classmethod
   def zeros(cls, config, batch: int, max_length: int) -> 'KVCache':
-    heads, dim, dtype = config.num_kv_heads, config.head_dim, config.activation_dtype
+    heads, dim, dtype = config.num_kv_heads, config.head_dim, config.cache_dtype
     layers = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(k=layers((batch, heads, dim, max_length)), v=layers((batch, heads, max_length, dim)),
                lengths=jnp.zeros((batch,), jnp.int32))

@@ -69,12 +69,14 @@ def load_tokenizer(directory: Path, config: ModelConfig):
   return tokenizer
 
 
-def load_policy(path, dtype: str = 'float32', with_tokenizer: bool = True) -> Policy:
-  """Loads an HF-format Llama/Qwen2 directory (config.json, *.safetensors, tokenizer)."""
+def load_policy(path, dtype: str = 'float32', with_tokenizer: bool = True,
+                compute_dtype: str = 'float32', kv_cache_dtype: str = '') -> Policy:
+  """Loads an HF-format Llama/Qwen2 directory (config.json, *.safetensors, tokenizer);
+  `dtype` is the parameters', `compute_dtype` the matmuls' (ModelConfig)."""
   directory = Path(path)
   if not directory.is_dir():
     raise FileNotFoundError(f'{directory}: checkpoint directory does not exist')
-  config = load_config(directory, dtype)
+  config = load_config(directory, dtype).with_compute(compute_dtype, kv_cache_dtype)
   params = checkpoint.load_params(directory, config)
   tokenizer = load_tokenizer(directory, config) if with_tokenizer else None
   return Policy(config=config, params=params, tokenizer=tokenizer)

@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specroll_jax.model.attention import block_attention
+from specroll_jax.model import invariant
+from specroll_jax.model.attention import block_attention, invariant_block_attention
 from specroll_jax.model.config import ModelConfig, rope_inverse_frequencies
 from specroll_jax.model.kv_cache import BlockKV, KVCache
 
@@ -19,23 +20,57 @@ class RMSNorm(nn.Module):
   eps: float
   dtype: jnp.dtype        # of the output
   param_dtype: jnp.dtype
+  batch_invariant: bool = False
 
   @nn.compact
   def __call__(self, x):
     weight = self.param('weight', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    if self.batch_invariant:
+      return invariant.rms_norm(x, weight, self.eps)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def dense(config: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
-  """A projection with the model's parameters, computed in the activation dtype."""
+class InvariantDense(nn.Module):
+  """nn.Dense's parameters (kernel [in, out], bias) with bf16 inputs, float32 accumulation
+  and output, and rows bitwise independent of the batch (invariant.matmul)."""
+  features: int
+  use_bias: bool
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.lecun_normal(),
+                        (x.shape[-1], self.features), self.param_dtype)
+    y = invariant.matmul(x, kernel)
+    if self.use_bias:
+      bias = self.param('bias', nn.initializers.zeros, (self.features,), self.param_dtype)
+      y = y + bias.astype(invariant.BF16).astype(jnp.float32)
+    return y
+
+
+def dense(config: ModelConfig, features: int, bias: bool, name: str) -> nn.Module:
+  """A projection with the model's parameters, computed in the activation dtype (or, in the
+  bf16 compute mode, from bf16 inputs into float32)."""
+  if config.batch_invariant:
+    return InvariantDense(features, bias, config.jnp_dtype, name=name)
   return nn.Dense(features, use_bias=bias, dtype=config.activation_dtype,
                   param_dtype=config.jnp_dtype, name=name)
 
 
 def norm(config: ModelConfig, name: str | None = None) -> RMSNorm:
-  return RMSNorm(config.rms_norm_eps, config.activation_dtype, config.jnp_dtype, name=name)
+  return RMSNorm(config.rms_norm_eps, config.activation_dtype, config.jnp_dtype,
+                 config.batch_invariant, name=name)
+
+
+def compute_params(config: ModelConfig, params):
+  """The parameters as the compute mode reads them: in bf16 compute every leaf rounded to
+  bf16 (what rollouts take, once per update, so no step converts weights); else unchanged.
+  The learner keeps float32 masters and rounds them inside its forward, to the same bits."""
+  if not config.batch_invariant:
+    return params
+  return jax.tree.map(lambda x: x.astype(invariant.BF16), params)
 
 
 def rope_tables(positions, config: ModelConfig):
@@ -66,7 +101,8 @@ class Attention(nn.Module):
     q = q.reshape(batch, t_len, c.num_heads, c.head_dim)
     k = k.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
     v = v.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope).astype(c.cache_dtype)
+    v = v.astype(c.cache_dtype)  # what the cache will hold, so block and cache agree
     out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
                             scale=c.head_dim ** -0.5)
     out = dense(c, c.hidden_size, c.o_bias, 'o_proj')(out.reshape(batch, t_len, -1))
@@ -106,9 +142,15 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.config
+    attention_fn = self.attention_fn
+    if c.batch_invariant:
+      if attention_fn is not block_attention:
+        raise ValueError('ModelConfig.compute_dtype=bfloat16 needs the XLA attention: the '
+                         'Pallas kernel is not batch-invariant (attention must be xla)')
+      attention_fn = invariant_block_attention
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.activation_dtype,
                                  param_dtype=c.jnp_dtype)
-    self.layers = [DecoderLayer(c, self.attention_fn, name=f'layers_{i}')
+    self.layers = [DecoderLayer(c, attention_fn, name=f'layers_{i}')
                    for i in range(c.num_layers)]
     self.norm = norm(c)
     if not c.tie_word_embeddings:
@@ -124,7 +166,7 @@ class Transformer(nn.Module):
     batch = tokens.shape[0]
     if cache is None:
       cache = KVCache.zeros(c, batch, 0)
-    x = self.embed_tokens(tokens)
+    x = self.embed(tokens) if c.batch_invariant else self.embed_tokens(tokens)
     rope = rope_tables(positions, c)
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
@@ -135,6 +177,10 @@ class Transformer(nn.Module):
 
   def project(self, hidden):
     """float32 logits through the (possibly tied) vocabulary projection."""
+    if self.config.batch_invariant:
+      if self.config.tie_word_embeddings:
+        return invariant.table_matmul(hidden, self.embed_tokens.embedding)
+      return invariant.matmul(hidden, self.lm_head.variables['params']['kernel'])
     if self.config.tie_word_embeddings:
       logits = self.embed_tokens.attend(hidden)
     else:
@@ -142,7 +188,9 @@ class Transformer(nn.Module):
     return logits.astype(jnp.float32)
 
   def embed(self, ids):
-    """float32 input embeddings of token ids [...] -> [..., D]."""
+    """float32 input embeddings of token ids [...] -> [..., D] (bf16-rounded in bf16 compute)."""
+    if self.config.batch_invariant:
+      return self.embed_tokens.embedding.astype(invariant.BF16)[ids].astype(jnp.float32)
     return self.embed_tokens(ids).astype(jnp.float32)
 
   def vocab_rows(self, ids):

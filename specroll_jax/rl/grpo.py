@@ -22,6 +22,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from specroll_jax.model import invariant
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
@@ -176,7 +177,7 @@ def _project(config: ModelConfig, params, hidden):
 
 def _token_scores(logits, targets, scale: float):
   """log softmax(logits / scale) at `targets` and that law's entropy (no gradient)."""
-  logp_all = jax.nn.log_softmax(logits / scale, axis=-1)
+  logp_all = invariant.log_softmax(logits / scale)
   logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
   law = jax.lax.stop_gradient(logp_all)
   return logp, -jnp.sum(jnp.exp(law) * law, axis=-1)

@@ -138,7 +138,7 @@ def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:
     # Replicated (rl/drafter_adaptation.py), with its AdamW moments.
     parts.append(('drafter block + its optimizer', 3 * _shard_bytes(mesh, block, ())))
   layer = jax.ShapeDtypeStruct((workload.rollout_rows, config.num_kv_heads,
-                                 workload.cache_length, config.head_dim), config.activation_dtype)
+                                 workload.cache_length, config.head_dim), config.cache_dtype)
   cache = 2 * config.num_layers * _piece_bytes(mesh, layer, cache_layer_spec(mesh, layer.shape))
   parts.append((f'KV cache ({workload.rollout_rows} rows x {workload.cache_length} slots)', cache))
   parts.append(('learner activations (estimate)',

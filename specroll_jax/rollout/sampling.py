@@ -33,6 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from specroll_jax.model import invariant
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
@@ -69,8 +71,8 @@ def transform_logits(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
     x = jnp.where(x >= kth, x, -jnp.inf)
   if sampler.top_p < 1.0:
     sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    probs = jnp.exp(invariant.log_softmax(sorted_x))
+    mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
     keep = jnp.sum(mass_before < sampler.top_p, axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(sorted_x, keep - 1, axis=-1)
     x = jnp.where(x >= threshold, x, -jnp.inf)
@@ -88,7 +90,7 @@ def log_weights(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
 def distribution(logits: jax.Array, sampler: SamplerConfig) -> jax.Array:
   """The sampler's distribution S(logits) (raw softmax when greedy): what proposals and
   verifier feedback compare."""
-  return jax.nn.softmax(log_weights(logits, sampler), axis=-1)
+  return jnp.exp(invariant.log_softmax(log_weights(logits, sampler)))
 
 
 def block_size(vocab_size: int) -> int:
@@ -107,7 +109,7 @@ def _blocks(weights: jax.Array) -> jax.Array:
 def _block_scores(w: jax.Array, key: jax.Array) -> jax.Array:
   """The first level's perturbed scores, one per block of `w` [nb, b]."""
   noise = jax.random.gumbel(jax.random.fold_in(key, 0), (w.shape[0],), jnp.float32)
-  return jax.nn.logsumexp(w, axis=-1) + noise
+  return invariant.logsumexp(w) + noise
 
 
 def _token_scores(w: jax.Array, key: jax.Array, block: jax.Array) -> jax.Array:
@@ -166,7 +168,7 @@ def token_logprob(logits: jax.Array, tokens: jax.Array, sampler: SamplerConfig) 
   log-probs can stand in for the behaviour policy's log-probs.
   """
   scale = 1.0 if sampler.greedy else sampler.temperature
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+  logp = invariant.log_softmax(logits.astype(jnp.float32) / scale)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 

@@ -11,7 +11,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer
+from specroll_jax.model.transformer import Transformer, compute_params
 from specroll_jax.rollout import sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -36,9 +36,10 @@ class VanillaEngine(Engine):
     return Transformer(self.model_config)
 
   def params(self, policy_params, proposer_params=None):
-    """The pytree `start` and `run` take: the policy's parameters alone."""
+    """The pytree `start` and `run` take: the policy's parameters alone, as the compute
+    mode reads them."""
     del proposer_params
-    return policy_params
+    return compute_params(self.model_config, policy_params)
 
   @partial(jax.jit, static_argnums=(0, 4))
   def start(self, params, prompt_tokens, seqs: Sequences, cache_length: int) -> DecodeState:

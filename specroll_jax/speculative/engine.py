@@ -25,7 +25,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer
+from specroll_jax.model.transformer import Transformer, compute_params
 from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -111,7 +111,8 @@ class SpecEngine(Engine):
     return min(self.proposer.feedback_top_m, self.model_config.vocab_size)
 
   def params(self, policy_params, proposer_params) -> SpecParams:
-    return SpecParams(policy=policy_params, proposer=proposer_params)
+    return SpecParams(policy=compute_params(self.model_config, policy_params),
+                      proposer=proposer_params)
 
   def tree_width(self, batch: int) -> int:
     """Static node slots for a batch bucket: its sized width, else the budget of a full

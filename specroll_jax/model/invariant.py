@@ -1,0 +1,150 @@
+"""Batch-invariant numerics for the bfloat16 compute mode (`ModelConfig.compute_dtype`).
+
+A row's result must not depend on the other rows, on how many there are, or on which
+program computed it (a one-token step, a tree, prefill, the learner's full sequence), so
+that the speculative engine equals vanilla and the rollout equals the learner bit for bit.
+Each primitive here has one fixed order of floating-point operations per row. What this
+backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule answers:
+
+- bf16-input, float32-accumulate dots give every row bitwise the same result for any number
+  of rows >= 3 (1 and 2 rows take other kernels: rows are padded to 3), any number of
+  columns and any batch dimensions, when the contraction has >= 32 terms. Shorter
+  contractions change their order with the rows (16 terms: from 8 rows on), so they run as
+  exact bf16 x bf16 products in float32 and a fixed pairwise tree. A contraction's result
+  changes with its length even when the extra terms are zeros, so attention contracts over
+  fixed chunks of `CHUNK` positions (see invariant_attention.py).
+- XLA's reduce changes its order with the number of rows: sums are `pairwise_sum`, a fixed
+  tree of elementwise adds over a power-of-two length. Zero padding leaves it unchanged
+  (x + 0 = x at every level whose upper half is zeros), so a sum over a longer buffer whose
+  extra entries are zeros gives the same bits: what lets a cache window, a tree or the
+  learner's row hold a position at different indices of different lengths.
+- Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
+  become exactly 0, and the elementwise products of short contractions are flushed below
+  the smallest normal float32.
+- 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
+Measured by `tests/test_bf16_invariance.py` on the engines themselves.
+"""
+import jax
+import jax.numpy as jnp
+
+BF16 = jnp.bfloat16
+MIN_MATMUL_ROWS = 3
+MIN_MATMUL_CONTRACTION = 32
+EXP_FLOOR = -80.0
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Sum along `axis` by a fixed pairwise tree (first half + second half), zero-padded to a
+  power of two: the same bits for any trailing zero padding of the axis."""
+  x = jnp.moveaxis(x, axis, -1)
+  length = x.shape[-1]
+  padded = 1 << max(0, (length - 1).bit_length())
+  if padded != length:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - length)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+  """log softmax over the last axis with a fixed summation order: the rollout's log-probs
+  and the learner's are this one function of the same logits."""
+  peak = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  shifted = x - peak
+  return shifted - jnp.log(pairwise_sum(jnp.exp(shifted)))[..., None]
+
+
+def logsumexp(x: jax.Array) -> jax.Array:
+  """log sum exp over the last axis in the same fixed order (-inf for an all -inf row)."""
+  peak = jax.lax.stop_gradient(jnp.max(x, axis=-1))
+  safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  return safe + jnp.log(pairwise_sum(jnp.exp(x - safe[..., None])))
+
+
+def _flushed(products: jax.Array) -> jax.Array:
+  return jnp.where(jnp.abs(products) < _TINY, 0.0, products)
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  missing = size - x.shape[axis]
+  if missing <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, missing)
+  return jnp.pad(x, widths)
+
+
+def dot(lhs: jax.Array, rhs: jax.Array, contract: tuple[int, int], batch: int = 0,
+        lhs_rows: int | None = None, rhs_rows: int | None = None) -> jax.Array:
+  """bf16 x bf16 -> float32 dot_general of lhs and rhs over `contract` = (lhs axis, rhs axis)
+  with `batch` leading batch axes shared by both, in an order that does not depend on the
+  rows: the free axis `lhs_rows` of lhs (or `rhs_rows` of rhs) is padded to 3.
+
+  Output axes: batch, lhs free, rhs free (dot_general's order).
+  """
+  lhs, rhs = lhs.astype(BF16), rhs.astype(BF16)
+  lhs_free = [a for a in range(batch, lhs.ndim) if a != contract[0]]
+  rhs_free = [a for a in range(batch, rhs.ndim) if a != contract[1]]
+  out_axis, rows = None, None
+  if lhs_rows is not None:
+    out_axis, rows = batch + lhs_free.index(lhs_rows), lhs.shape[lhs_rows]
+    lhs = pad_axis(lhs, lhs_rows, MIN_MATMUL_ROWS)
+  if rhs_rows is not None:
+    out_axis = batch + len(lhs_free) + rhs_free.index(rhs_rows)
+    rows = rhs.shape[rhs_rows]
+    rhs = pad_axis(rhs, rhs_rows, MIN_MATMUL_ROWS)
+  if lhs.shape[contract[0]] >= MIN_MATMUL_CONTRACTION:
+    batch_dims = tuple(range(batch))
+    out = jax.lax.dot_general(lhs, rhs, (((contract[0],), (contract[1],)),
+                                         (batch_dims, batch_dims)),
+                              preferred_element_type=jnp.float32)
+  else:
+    out = _elementwise_dot(lhs, rhs, contract, batch, lhs_free, rhs_free)
+  if out_axis is not None:
+    out = jax.lax.slice_in_dim(out, 0, rows, axis=out_axis)
+  return out
+
+
+def _elementwise_dot(lhs, rhs, contract, batch, lhs_free, rhs_free):
+  """The short-contraction path: exact bf16 products in float32, then `pairwise_sum`."""
+  lhs_t = jnp.transpose(lhs, list(range(batch)) + lhs_free + [contract[0]]).astype(jnp.float32)
+  rhs_t = jnp.transpose(rhs, list(range(batch)) + rhs_free + [contract[1]]).astype(jnp.float32)
+  lhs_e = lhs_t.reshape(lhs_t.shape[:-1] + (1,) * len(rhs_free) + lhs_t.shape[-1:])
+  rhs_e = rhs_t.reshape(rhs_t.shape[:batch] + (1,) * len(lhs_free) + rhs_t.shape[batch:])
+  return pairwise_sum(_flushed(lhs_e * rhs_e), axis=-1)
+
+
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [..., K] @ kernel [K, N] -> float32 [..., N], row-invariant."""
+  flat = x.reshape(-1, x.shape[-1])
+  out = dot(flat, kernel, (1, 0), lhs_rows=0)
+  return out.reshape(x.shape[:-1] + (kernel.shape[-1],))
+
+
+def table_matmul(x: jax.Array, table: jax.Array) -> jax.Array:
+  """x [..., D] against a [V, D] table (logit v = table[v] . x) -> float32 [..., V],
+  contracting the table as stored: a transposed bf16 table costs ~10x here."""
+  flat = x.reshape(-1, x.shape[-1])
+  out = dot(flat, table, (1, 1), lhs_rows=0)
+  return out.reshape(x.shape[:-1] + (table.shape[0],))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x = x.astype(jnp.float32)
+  mean_square = pairwise_sum(x * x) / x.shape[-1]
+  return x / jnp.sqrt(mean_square + eps)[..., None] * weight.astype(BF16).astype(jnp.float32)
+
+
+def attention_weights(scores: jax.Array, peak: jax.Array, visible: jax.Array) -> jax.Array:
+  """exp(scores - peak) where visible and above the floor, else exactly 0; rounded to bf16
+  (the value both the numerator's dot and the denominator read)."""
+  z = scores - peak
+  weights = jnp.where(visible & (z > EXP_FLOOR), jnp.exp(jnp.maximum(z, EXP_FLOOR)), 0.0)
+  return weights.astype(BF16).astype(jnp.float32)
+
+
+def ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
