@@ -8,30 +8,37 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
 
 - bf16-input, float32-accumulate dots give every row bitwise the same result for any number
   of rows >= 3 (1 and 2 rows take other kernels: rows are padded to 3), any number of
-  columns and any batch dimensions, when the contraction has >= 32 terms. Shorter
-  contractions change their order with the rows (16 terms: from 8 rows on), so they run as
-  exact bf16 x bf16 products in float32 and a fixed pairwise tree. A contraction's result
-  changes with its length even when the extra terms are zeros, so attention contracts over
-  fixed chunks of `CHUNK` positions (see invariant_attention.py).
+  columns and any batch dimensions, when the contraction is a multiple of 32 terms
+  (measured K = 32, 64, 96, 160, 192, 256, 320, 576, 1536: invariant; 8, 16, 48, 172, 176,
+  200: a row's bits change from 4-8 rows on). So every contraction is zero-padded to a
+  multiple of 32 (SmolLM2's 64, 576 and 1536 need none). A contraction's result does change
+  with its padded length, so the length is fixed per operand shape, and attention contracts
+  over fixed chunks of `CHUNK` positions (see invariant_attention.py).
 - XLA's reduce changes its order with the number of rows: sums are `pairwise_sum`, a fixed
   tree of elementwise adds over a power-of-two length. Zero padding leaves it unchanged
   (x + 0 = x at every level whose upper half is zeros), so a sum over a longer buffer whose
   extra entries are zeros gives the same bits: what lets a cache window, a tree or the
   learner's row hold a position at different indices of different lengths.
+- XLA:CPU contracts a multiply feeding an add into one fused multiply-add inside a fusion,
+  and which ops share a fusion depends on the whole program (a learner's full-sequence
+  forward, measured, left one add unfused that a decode step fused: its hidden states
+  differed from the 14th position on). So no rounded product feeds an add here: every
+  product that is summed is exact in float32 (bf16 x bf16, 16 significant bits), and then
+  fma(a, b, c) = round(round(a * b) + c). The dots take bf16 inputs; RoPE rounds its
+  operands to bf16 (as transformers does in bf16); RMSNorm squares x = hi + lo in bf16
+  parts (x^2 to 2^-16); the softmax scale is applied to q before the score dot.
 - Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
-  become exactly 0, and the elementwise products of short contractions are flushed below
-  the smallest normal float32.
+  become exactly 0.
 - 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
-Measured by `tests/test_bf16_invariance.py` on the engines themselves.
+Checked on the engines by `tests/test_bf16_compute.py`.
 """
 import jax
 import jax.numpy as jnp
 
 BF16 = jnp.bfloat16
 MIN_MATMUL_ROWS = 3
-MIN_MATMUL_CONTRACTION = 32
+CONTRACTION_QUANTUM = 32
 EXP_FLOOR = -80.0
-_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -64,10 +71,6 @@ def logsumexp(x: jax.Array) -> jax.Array:
   return safe + jnp.log(pairwise_sum(jnp.exp(x - safe[..., None])))
 
 
-def _flushed(products: jax.Array) -> jax.Array:
-  return jnp.where(jnp.abs(products) < _TINY, 0.0, products)
-
-
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   missing = size - x.shape[axis]
   if missing <= 0:
@@ -81,11 +84,15 @@ def dot(lhs: jax.Array, rhs: jax.Array, contract: tuple[int, int], batch: int = 
         lhs_rows: int | None = None, rhs_rows: int | None = None) -> jax.Array:
   """bf16 x bf16 -> float32 dot_general of lhs and rhs over `contract` = (lhs axis, rhs axis)
   with `batch` leading batch axes shared by both, in an order that does not depend on the
-  rows: the free axis `lhs_rows` of lhs (or `rhs_rows` of rhs) is padded to 3.
+  rows: the contraction is zero-padded to a multiple of `CONTRACTION_QUANTUM` (the same
+  length for every call with these operands' shapes) and the free axis `lhs_rows` of lhs
+  (or `rhs_rows` of rhs) to 3.
 
   Output axes: batch, lhs free, rhs free (dot_general's order).
   """
   lhs, rhs = lhs.astype(BF16), rhs.astype(BF16)
+  length = -(-lhs.shape[contract[0]] // CONTRACTION_QUANTUM) * CONTRACTION_QUANTUM
+  lhs, rhs = pad_axis(lhs, contract[0], length), pad_axis(rhs, contract[1], length)
   lhs_free = [a for a in range(batch, lhs.ndim) if a != contract[0]]
   rhs_free = [a for a in range(batch, rhs.ndim) if a != contract[1]]
   out_axis, rows = None, None
@@ -96,25 +103,12 @@ def dot(lhs: jax.Array, rhs: jax.Array, contract: tuple[int, int], batch: int = 
     out_axis = batch + len(lhs_free) + rhs_free.index(rhs_rows)
     rows = rhs.shape[rhs_rows]
     rhs = pad_axis(rhs, rhs_rows, MIN_MATMUL_ROWS)
-  if lhs.shape[contract[0]] >= MIN_MATMUL_CONTRACTION:
-    batch_dims = tuple(range(batch))
-    out = jax.lax.dot_general(lhs, rhs, (((contract[0],), (contract[1],)),
-                                         (batch_dims, batch_dims)),
-                              preferred_element_type=jnp.float32)
-  else:
-    out = _elementwise_dot(lhs, rhs, contract, batch, lhs_free, rhs_free)
+  batch_dims = tuple(range(batch))
+  out = jax.lax.dot_general(lhs, rhs, (((contract[0],), (contract[1],)), (batch_dims, batch_dims)),
+                            preferred_element_type=jnp.float32)
   if out_axis is not None:
     out = jax.lax.slice_in_dim(out, 0, rows, axis=out_axis)
   return out
-
-
-def _elementwise_dot(lhs, rhs, contract, batch, lhs_free, rhs_free):
-  """The short-contraction path: exact bf16 products in float32, then `pairwise_sum`."""
-  lhs_t = jnp.transpose(lhs, list(range(batch)) + lhs_free + [contract[0]]).astype(jnp.float32)
-  rhs_t = jnp.transpose(rhs, list(range(batch)) + rhs_free + [contract[1]]).astype(jnp.float32)
-  lhs_e = lhs_t.reshape(lhs_t.shape[:-1] + (1,) * len(rhs_free) + lhs_t.shape[-1:])
-  rhs_e = rhs_t.reshape(rhs_t.shape[:batch] + (1,) * len(lhs_free) + rhs_t.shape[batch:])
-  return pairwise_sum(_flushed(lhs_e * rhs_e), axis=-1)
 
 
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -132,10 +126,32 @@ def table_matmul(x: jax.Array, table: jax.Array) -> jax.Array:
   return out.reshape(x.shape[:-1] + (table.shape[0],))
 
 
+def _bf16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x ~ hi + lo, both bf16-representable (float32 arrays), to 2^-17 of x."""
+  hi = x.astype(BF16).astype(jnp.float32)
+  return hi, (x - hi).astype(BF16).astype(jnp.float32)
+
+
+def exact_square_sum(x: jax.Array) -> jax.Array:
+  """sum x^2 over the last axis from exact products: hi^2 + lo (2 hi + lo)."""
+  hi, lo = _bf16_parts(x)
+  return pairwise_sum(hi * hi) + pairwise_sum(lo * (hi + hi + lo).astype(BF16).astype(jnp.float32))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
-  mean_square = pairwise_sum(x * x) / x.shape[-1]
+  mean_square = exact_square_sum(x) / x.shape[-1]
   return x / jnp.sqrt(mean_square + eps)[..., None] * weight.astype(BF16).astype(jnp.float32)
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """The rotary embedding ('rotate_half' layout) from bf16 operands, so both products of
+  each output are exact and their sum is one rounding wherever XLA fuses it."""
+  to_bf16 = lambda a: a.astype(BF16).astype(jnp.float32)
+  x, cos, sin = to_bf16(x), to_bf16(cos), to_bf16(sin)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
 
 
 def attention_weights(scores: jax.Array, peak: jax.Array, visible: jax.Array) -> jax.Array:

@@ -66,12 +66,12 @@ def _finish(numerators, denominators):
   return numerator / safe[:, :, None, :]
 
 
-def block_only_attention(qg, k_block, v_block, visible, scale):
+def block_only_attention(qg, k_block, v_block, visible):
   """An empty cache: block key j at position j (prefill, the learner's full sequence).
 
   qg [B, KVH, Q, Dh]; k_block [B, KVH, Dh, T]; v_block [B, KVH, T, Dh]; visible [B, 1, Q, T].
   """
-  scores = _scores(qg, k_block) * scale
+  scores = _scores(qg, k_block)
   weights = invariant.attention_weights(
       scores, _peak(jnp.where(visible, scores, -jnp.inf)), visible)
   values = _chunked(_pad_to_chunks(v_block, 2), 2)                    # [B, KVH, J, C, Dh]
@@ -79,7 +79,7 @@ def block_only_attention(qg, k_block, v_block, visible, scale):
   return _finish(*_chunk_sums(values, weights))
 
 
-def cached_attention(qg, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask, scale):
+def cached_attention(qg, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask):
   """A non-empty cache window [0, S) and a block of T tokens at positions L + depth.
 
   qg [B, KVH, T*G, Dh]; k_cache [B, KVH, Dh, S]; v_cache [B, KVH, S, Dh];
@@ -92,8 +92,8 @@ def cached_attention(qg, k_cache, v_cache, cache_lengths, k_block, v_block, bloc
   lengths = cache_lengths[:, None]
   cache_visible = (jnp.arange(s_len)[None, :] < lengths)[:, None, None, :]
   block_visible = jnp.repeat(block_mask, groups, axis=1)[:, None]
-  cache_scores = _scores(qg, k_cache) * scale
-  block_scores = _scores(qg, k_block) * scale
+  cache_scores = _scores(qg, k_cache)
+  block_scores = _scores(qg, k_block)
   peak = _peak(jnp.where(cache_visible, cache_scores, -jnp.inf),
                jnp.where(block_visible, block_scores, -jnp.inf))
   cache_weights = invariant.attention_weights(cache_scores, peak, cache_visible)
@@ -155,14 +155,16 @@ def invariant_cache_attention(q, k_cache, v_cache, cache_lengths, k_block, v_blo
   num_kv = k_block.shape[2]
   groups = num_heads // num_kv
   qg = q.reshape(batch, t_len, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
-  qg = qg.reshape(batch, num_kv, t_len * groups, head_dim)
+  # Scaled before the dot: a scale after it would be a product feeding the softmax's
+  # subtraction, which XLA may or may not contract (invariant.py).
+  qg = qg.reshape(batch, num_kv, t_len * groups, head_dim) * scale
   keys = k_block.transpose(0, 2, 3, 1)                                 # [B, KVH, Dh, T]
   values = v_block.transpose(0, 2, 1, 3)                               # [B, KVH, T, Dh]
   if v_cache.shape[2] == 0:
     visible = jnp.repeat(block_mask, groups, axis=1)[:, None]
-    out = block_only_attention(qg, keys, values, visible, scale)
+    out = block_only_attention(qg, keys, values, visible)
   else:
-    out = cached_attention(qg, k_cache, v_cache, cache_lengths, keys, values, block_mask, scale)
+    out = cached_attention(qg, k_cache, v_cache, cache_lengths, keys, values, block_mask)
   out = out.reshape(batch, num_kv, head_dim, t_len, groups).transpose(0, 3, 1, 4, 2)
   # Materialised before the output projection reads it: fused into that projection's
   # input (a pad to 3 rows at one row, none at 8) its bits changed with the batch.

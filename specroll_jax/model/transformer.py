@@ -101,7 +101,8 @@ class Attention(nn.Module):
     q = q.reshape(batch, t_len, c.num_heads, c.head_dim)
     k = k.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
     v = v.reshape(batch, t_len, c.num_kv_heads, c.head_dim)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope).astype(c.cache_dtype)
+    rotate = invariant.rope if c.batch_invariant else apply_rope
+    q, k = rotate(q, *rope), rotate(k, *rope).astype(c.cache_dtype)
     v = v.astype(c.cache_dtype)  # what the cache will hold, so block and cache agree
     out = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, block_mask,
                             scale=c.head_dim ** -0.5)
