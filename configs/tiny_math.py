@@ -42,7 +42,11 @@ def get_config():
   c.policy = ml_collections.ConfigDict(dict(
       checkpoint='',                     # '' = the committed W1 policy
       cache_dir='workdir/policies',
-      dtype='float32'))
+      dtype='float32',                   # of the parameters
+      # 'bfloat16': bf16 matmuls, batch-invariant (rollouts equal the learner bit for bit;
+      # ModelConfig.compute_dtype). float32 stays the default until its speed is measured
+      # on the main job (WORKSPACE_NOTES, "bf16 compute").
+      compute_dtype='float32'))
   # chat_template: prompts as a user turn through the tokenizer's chat template (instruct
   # models); the W1 policy is a base model and reads raw prompts.
   # 64 easy tasks, cycled (4 steps per pass): GRPO raises the reward on them visibly

@@ -99,7 +99,8 @@ def learner_batch(policy, c) -> grpo.RolloutBatch:
 def main(argv):
   del argv
   c = _CONFIG.value
-  policy = load_policy(resolve_policy(c), dtype=c.policy.dtype)
+  policy = load_policy(resolve_policy(c), dtype=c.policy.dtype,
+                       compute_dtype=c.policy.compute_dtype)
   # The harvest is on where the slow path consumes it (the main job's adaptation 'both').
   config = grpo_config(c, c.adaptation.harvest_top_k)
   batch = learner_batch(policy, c)

@@ -26,7 +26,8 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
   product that is summed is exact in float32 (bf16 x bf16, 16 significant bits), and then
   fma(a, b, c) = round(round(a * b) + c). The dots take bf16 inputs; RoPE rounds its
   operands to bf16 (as transformers does in bf16); RMSNorm squares x = hi + lo in bf16
-  parts (x^2 to 2^-16); the softmax scale is applied to q before the score dot.
+  parts (x^2 to 2^-16); the softmax scale is applied to q before the score dot; XLA
+  rewrites a division by a constant as a product, so none feeds an add either.
 - Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
   become exactly 0.
 - 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
@@ -140,8 +141,11 @@ def exact_square_sum(x: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
-  mean_square = exact_square_sum(x) / x.shape[-1]
-  return x / jnp.sqrt(mean_square + eps)[..., None] * weight.astype(BF16).astype(jnp.float32)
+  # (sum + eps D) / D, not sum / D + eps: XLA turns / D into * (1 / D), which would feed
+  # the add and be contracted or not with the fusion.
+  width = x.shape[-1]
+  mean_square = (exact_square_sum(x) + eps * width) / width
+  return x / jnp.sqrt(mean_square)[..., None] * weight.astype(BF16).astype(jnp.float32)
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

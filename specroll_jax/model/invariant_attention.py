@@ -29,16 +29,23 @@ CHUNK = 32  # positions per chunk: a contraction this long is row-invariant here
 
 
 def _scores(qg, keys):
-  """qg [B, KVH, Q, Dh] . keys [B, KVH, Dh, S] -> float32 [B, KVH, Q, S]."""
-  return invariant.dot(qg, keys, (3, 2), batch=2, lhs_rows=2)
+  """qg [B, KVH, Q, Dh] . keys [B, KVH, Dh, S] -> float32 [B, KVH, Q, S], as exact bf16
+  products and a pairwise sum over Dh. As a dot, with either operand as rows, XLA picked
+  kernels whose bits changed with the program around them (SmolLM2 with q as rows,
+  stories260K with the keys as rows: a full-sequence forward against prefill + decode)."""
+  to_bf16 = lambda a: a.astype(invariant.BF16).astype(jnp.float32)
+  products = to_bf16(qg)[:, :, :, None, :] * jnp.swapaxes(to_bf16(keys), 2, 3)[:, :, None]
+  return invariant.pairwise_sum(products)
 
 
 def _chunk_sums(values, weights):
   """values [..., C, Dh] and weights [..., Q, C] -> numerators [..., Dh, Q], denominators
   [..., Q]: one chunk's share of each query's attention."""
   batch = values.ndim - 2
-  # Contracting values as stored ([C, Dh]): a transpose first made XLA:CPU pick a kernel
-  # whose results changed with a batch of one row.
+  # The stored operand (values as [C, Dh], keys as [Dh, S]) is the dot's lhs and the
+  # queries its columns: with the queries as rows, or a transposed operand, XLA picked
+  # kernels whose bits changed with the program around them (SmolLM2: a full-sequence
+  # forward against prefill + decode differed at isolated positions).
   numerators = invariant.dot(values, weights, (batch, batch + 1), batch=batch, rhs_rows=batch)
   return numerators, invariant.pairwise_sum(weights)
 

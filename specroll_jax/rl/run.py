@@ -132,7 +132,8 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
   workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
   policy_dir = distributed.primary_first('policy', lambda: resolve_policy(c))
-  policy = load_policy(policy_dir, dtype=c.policy.dtype)
+  policy = load_policy(policy_dir, dtype=c.policy.dtype,
+                       compute_dtype=c.policy.compute_dtype)
   tasks = load_tasks(c.task.source, count=c.task.count, seed=c.seed,
                      data_dir=c.task.data_dir or None, split=c.task.split or None,
                      chat=c.task.chat_template)
