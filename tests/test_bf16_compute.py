@@ -51,13 +51,18 @@ def test_pallas_attention_is_refused_in_bf16_compute(stories_bf16_compute):
     model.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 2, 2), bool))
 
 
-def test_pairwise_sum_is_unchanged_by_zero_padding_and_rows():
+def test_pairwise_sums_are_unchanged_by_zero_padding_and_rows():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 37)), jnp.float32)
   whole = np.asarray(jax.jit(invariant.pairwise_sum)(x))
   padded = np.asarray(jax.jit(invariant.pairwise_sum)(jnp.pad(x, ((0, 0), (0, 91)))))
   alone = np.asarray(jax.jit(invariant.pairwise_sum)(x[3:4]))
   np.testing.assert_array_equal(whole, padded)
   np.testing.assert_array_equal(whole[3], alone[0])
+  # The fused product tree is the same tree: bit for bit pairwise_sum(a * b) on bf16 values.
+  a = x.astype(jnp.bfloat16).astype(jnp.float32)
+  b = jnp.flip(a, axis=0)
+  np.testing.assert_array_equal(np.asarray(jax.jit(invariant.pairwise_dot, static_argnums=2)(a, b, 1)),
+                                np.asarray(jax.jit(invariant.pairwise_sum)(a * b)))
 
 
 def test_compute_params_round_every_leaf_once(stories_bf16_compute):

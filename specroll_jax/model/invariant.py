@@ -44,16 +44,34 @@ EXP_FLOOR = -80.0
 
 def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   """Sum along `axis` by a fixed pairwise tree (first half + second half), zero-padded to a
-  power of two: the same bits for any trailing zero padding of the axis."""
-  x = jnp.moveaxis(x, axis, -1)
-  length = x.shape[-1]
-  padded = 1 << max(0, (length - 1).bit_length())
-  if padded != length:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - length)])
-  while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
-  return x[..., 0]
+  power of two: the same bits for any trailing zero padding of the axis, and for any
+  position of the axis (summing a leading axis adds whole planes, which vectorizes)."""
+  axis = axis % x.ndim
+  length = x.shape[axis]
+  x = pad_axis(x, axis, 1 << max(0, (length - 1).bit_length()))
+  while x.shape[axis] > 1:
+    half = x.shape[axis] // 2
+    x = (jax.lax.slice_in_dim(x, 0, half, axis=axis)
+         + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+  return jax.lax.squeeze(x, (axis,))
+
+
+def pairwise_dot(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+  """pairwise_sum(a * b, axis), bit for bit, for bf16-representable a and b (exact products),
+  written as one expression over the axis' slices, so that XLA fuses the whole tree into one
+  loop and never materialises the products or a level of the tree (a product tensor and its
+  levels were most of the attention's time)."""
+  axis = axis % max(a.ndim, b.ndim)
+  a, b = jnp.broadcast_arrays(a, b)
+  length = 1 << max(0, (a.shape[axis] - 1).bit_length())
+  a, b = pad_axis(a, axis, length), pad_axis(b, axis, length)
+  term = lambda i: (jax.lax.index_in_dim(a, i, axis, keepdims=False)
+                    * jax.lax.index_in_dim(b, i, axis, keepdims=False))
+  terms = [term(i) for i in range(length)]
+  while len(terms) > 1:
+    half = len(terms) // 2
+    terms = [terms[i] + terms[i + half] for i in range(half)]
+  return terms[0]
 
 
 def log_softmax(x: jax.Array) -> jax.Array:

@@ -34,19 +34,20 @@ def _scores(qg, keys):
   kernels whose bits changed with the program around them (SmolLM2 with q as rows,
   stories260K with the keys as rows: a full-sequence forward against prefill + decode)."""
   to_bf16 = lambda a: a.astype(invariant.BF16).astype(jnp.float32)
-  products = to_bf16(qg)[:, :, :, None, :] * jnp.swapaxes(to_bf16(keys), 2, 3)[:, :, None]
-  return invariant.pairwise_sum(products)
+  # Over Dh as the leading axis: the tree adds whole [Q, S] planes.
+  return invariant.pairwise_dot(jnp.swapaxes(to_bf16(qg), 2, 3)[:, :, :, :, None],
+                                to_bf16(keys)[:, :, :, None], axis=2)
 
 
 def _chunk_sums(values, weights):
   """values [..., C, Dh] and weights [..., Q, C] -> numerators [..., Dh, Q], denominators
   [..., Q]: one chunk's share of each query's attention."""
-  batch = values.ndim - 2
-  # The stored operand (values as [C, Dh], keys as [Dh, S]) is the dot's lhs and the
-  # queries its columns: with the queries as rows, or a transposed operand, XLA picked
-  # kernels whose bits changed with the program around them (SmolLM2: a full-sequence
-  # forward against prefill + decode differed at isolated positions).
-  numerators = invariant.dot(values, weights, (batch, batch + 1), batch=batch, rhs_rows=batch)
+  to_bf16 = lambda a: a.astype(invariant.BF16).astype(jnp.float32)
+  # Exact bf16 products and a pairwise sum over C, in whole [Q, Dh] planes: as a dot, the
+  # kernel XLA picked, and so the bits, changed with the program around it.
+  numerators = jnp.swapaxes(invariant.pairwise_dot(
+      to_bf16(values)[..., :, None, :], jnp.swapaxes(to_bf16(weights), -1, -2)[..., None],
+      axis=-3), -1, -2)
   return numerators, invariant.pairwise_sum(weights)
 
 
