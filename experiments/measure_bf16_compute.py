@@ -47,6 +47,7 @@ flags.DEFINE_list('tree_nodes', ['4', '8', '16'], 'Nodes per row priced.')
 flags.DEFINE_list('hf_rows', ['4', '16'], 'Batches of the transformers comparison (empty: skip).')
 flags.DEFINE_integer('repeats', 5, 'Alternating timed calls per measurement.')
 flags.DEFINE_string('out_dir', 'results/bf16_compute', 'Where results.json and README.md go.')
+flags.DEFINE_bool('report_only', False, 'Rewrite README.md and the plot from results.json.')
 FLAGS = flags.FLAGS
 
 MODES = ('float32', 'bfloat16')
@@ -165,8 +166,57 @@ def hf_generate_ratio(policy, prompts, rows):
   return statistics.median(times['ours']), statistics.median(times['hf'])
 
 
+def write_report(out, directory):
+  """README.md (the tables) and decode_and_tree.png from the results."""
+  import matplotlib  # noqa: PLC0415 (reporting only)
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  lines = [f'# bf16 compute against float32 (SmolLM2-135M)\n\n`{out["command"]}` '
+           f'({out["minutes"]:.0f} minutes, idle 2-core CPU). WORKSPACE_NOTES, "bf16 compute".\n',
+           '| rows | vanilla step float32 ms | bf16 ms | bf16 / float32 speed |',
+           '|---:|---:|---:|---:|']
+  for rows, ms in out['decode_step_ms'].items():
+    lines.append(f'| {rows} | {ms["float32"]:.1f} | {ms["bfloat16"]:.1f} | '
+                 f'{out["vanilla_bf16_over_fp32"][rows]:.2f}x |')
+  lines += ['', '| bucket | nodes | tree price float32 (plain steps) | bf16 |', '|---:|---:|---:|---:|']
+  for bucket, prices in out['tree_price'].items():
+    for nodes, price in prices.items():
+      lines.append(f'| {bucket} | {nodes} | {out["tree_price_float32"][bucket][nodes]:.2f} | '
+                   f'{price:.2f} |')
+  lines += ['', '| mode | responses | batch of 4 = alone | SpecRoll = vanilla | rollout = learner |',
+            '|---|---:|---:|---:|---:|']
+  for mode, c in out['invariance_checks'].items():
+    lines.append(f'| {mode} | {c["responses"]} | {c["batch_vs_alone"]} | {c["spec_vs_vanilla"]} | '
+                 f'{c["rollout_vs_learner"]} |')
+  lines += ['', '(bit for bit: tokens and every log-prob; SpecRoll is the oracle, tau '
+            f'{out["invariance_checks"]["bfloat16"]["tau_oracle"]:.2f})', '',
+            '| rows | our vanilla bf16 s | transformers generate bf16 s | ours / theirs speed |',
+            '|---:|---:|---:|---:|']
+  for rows, t in out['hf_seconds'].items():
+    lines.append(f'| {rows} | {t["ours_bf16"]:.2f} | {t["hf_bf16"]:.2f} | '
+                 f'{out["vanilla_bf16_over_hf_bf16"][rows]:.2f}x |')
+  (directory / 'README.md').write_text('\n'.join(lines) + '\n')
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  rows = list(out['decode_step_ms'])
+  for mode in MODES:
+    left.plot([int(r) for r in rows], [out['decode_step_ms'][r][mode] for r in rows], 'o-',
+              label=mode)
+    prices = out['tree_price' if mode == 'bfloat16' else 'tree_price_float32']
+    labels = [f'{b}x{n}' for b in prices for n in prices[b]]
+    right.plot(labels, [prices[b][n] for b in prices for n in prices[b]], 'o-', label=mode)
+  left.set(xscale='log', xlabel='rows', ylabel='vanilla step (ms)')
+  right.set(xlabel='bucket x nodes', ylabel='tree step (plain steps)')
+  left.legend(), right.legend()
+  fig.tight_layout()
+  fig.savefig(directory / 'decode_and_tree.png', dpi=100)
+
+
 def main(argv):
   del argv
+  directory = Path(FLAGS.out_dir)
+  if FLAGS.report_only:
+    write_report(json.loads((directory / 'results.json').read_text()), directory)
+    return
   started = time.time()
   policies = {mode: load_policy(FLAGS.checkpoint, compute_dtype=mode) for mode in MODES}
   prompts = _prompts(policies['float32'], max(map(int, FLAGS.decode_rows)))
@@ -196,9 +246,9 @@ def main(argv):
   out['hf_seconds'] = {rows: {'ours_bf16': ours, 'hf_bf16': theirs}
                        for rows, (ours, theirs) in hf.items()}
   out['minutes'] = (time.time() - started) / 60
-  directory = Path(FLAGS.out_dir)
   directory.mkdir(parents=True, exist_ok=True)
   (directory / 'results.json').write_text(json.dumps(out, indent=1) + '\n')
+  write_report(out, directory)
   print(json.dumps(out, indent=1))
 
 
