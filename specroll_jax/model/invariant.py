@@ -33,6 +33,8 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
 - 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
 Checked on the engines by `tests/test_bf16_compute.py`.
 """
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -56,13 +58,14 @@ def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jax.lax.squeeze(x, (axis,))
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
 def pairwise_dot(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
-  """pairwise_sum(a * b, axis), bit for bit, for bf16-representable a and b (exact products),
-  written as one expression over the axis' slices, so that XLA fuses the whole tree into one
-  loop and never materialises the products or a level of the tree (a product tensor and its
-  levels were most of the attention's time)."""
-  axis = axis % max(a.ndim, b.ndim)
-  a, b = jnp.broadcast_arrays(a, b)
+  """pairwise_sum(a * b, axis), bit for bit, for bf16-representable a and b (exact products;
+  a and b broadcast against each other), written as one expression over the axis' slices,
+  so that XLA fuses the whole tree into one loop and never materialises the products or a
+  level of the tree (a product tensor and its levels were most of the attention's time).
+  Its gradient is a plain broadcast-multiply-sum: only the forward values must not move."""
+  axis = axis % a.ndim
   length = 1 << max(0, (a.shape[axis] - 1).bit_length())
   a, b = pad_axis(a, axis, length), pad_axis(b, axis, length)
   term = lambda i: (jax.lax.index_in_dim(a, i, axis, keepdims=False)
@@ -72,6 +75,24 @@ def pairwise_dot(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
     half = len(terms) // 2
     terms = [terms[i] + terms[i + half] for i in range(half)]
   return terms[0]
+
+
+def _pairwise_dot_forward(a, b, axis):
+  return pairwise_dot(a, b, axis), (a, b)
+
+
+def _pairwise_dot_backward(axis, residuals, grad):
+  a, b = residuals
+  grad = jnp.expand_dims(grad, axis % a.ndim)
+
+  def reduced_to(x, other):
+    summed = tuple(i for i, (n, m) in enumerate(zip(x.shape, other.shape)) if n == 1 and m > 1)
+    return jnp.sum(grad * other, axis=summed, keepdims=True).astype(x.dtype)
+
+  return reduced_to(a, b), reduced_to(b, a)
+
+
+pairwise_dot.defvjp(_pairwise_dot_forward, _pairwise_dot_backward)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
