@@ -12,8 +12,8 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
   (measured K = 32, 64, 96, 160, 192, 256, 320, 576, 1536: invariant; 8, 16, 48, 172, 176,
   200: a row's bits change from 4-8 rows on). So every contraction is zero-padded to a
   multiple of 32 (SmolLM2's 64, 576 and 1536 need none). A contraction's result does change
-  with its padded length, so the length is fixed per operand shape, and attention contracts
-  over fixed chunks of `CHUNK` positions (see invariant_attention.py).
+  with its padded length, so the length is fixed per weight. Attention's contractions are
+  not dots at all (invariant_attention.py says why): `pairwise_dot`.
 - XLA's reduce changes its order with the number of rows: sums are `pairwise_sum`, a fixed
   tree of elementwise adds over a power-of-two length. Zero padding leaves it unchanged
   (x + 0 = x at every level whose upper half is zeros), so a sum over a longer buffer whose
@@ -26,7 +26,7 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
   product that is summed is exact in float32 (bf16 x bf16, 16 significant bits), and then
   fma(a, b, c) = round(round(a * b) + c). The dots take bf16 inputs; RoPE rounds its
   operands to bf16 (as transformers does in bf16); RMSNorm squares x = hi + lo in bf16
-  parts (x^2 to 2^-16); the softmax scale is applied to q before the score dot; XLA
+  parts (x^2 to 2^-16); the softmax scale is applied to q before the scores; XLA
   rewrites a division by a constant as a product, so none feeds an add either.
 - Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
   become exactly 0.
@@ -120,49 +120,29 @@ def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def dot(lhs: jax.Array, rhs: jax.Array, contract: tuple[int, int], batch: int = 0,
-        lhs_rows: int | None = None, rhs_rows: int | None = None) -> jax.Array:
-  """bf16 x bf16 -> float32 dot_general of lhs and rhs over `contract` = (lhs axis, rhs axis)
-  with `batch` leading batch axes shared by both, in an order that does not depend on the
-  rows: the contraction is zero-padded to a multiple of `CONTRACTION_QUANTUM` (the same
-  length for every call with these operands' shapes) and the free axis `lhs_rows` of lhs
-  (or `rhs_rows` of rhs) to 3.
-
-  Output axes: batch, lhs free, rhs free (dot_general's order).
-  """
-  lhs, rhs = lhs.astype(BF16), rhs.astype(BF16)
-  length = -(-lhs.shape[contract[0]] // CONTRACTION_QUANTUM) * CONTRACTION_QUANTUM
-  lhs, rhs = pad_axis(lhs, contract[0], length), pad_axis(rhs, contract[1], length)
-  lhs_free = [a for a in range(batch, lhs.ndim) if a != contract[0]]
-  rhs_free = [a for a in range(batch, rhs.ndim) if a != contract[1]]
-  out_axis, rows = None, None
-  if lhs_rows is not None:
-    out_axis, rows = batch + lhs_free.index(lhs_rows), lhs.shape[lhs_rows]
-    lhs = pad_axis(lhs, lhs_rows, MIN_MATMUL_ROWS)
-  if rhs_rows is not None:
-    out_axis = batch + len(lhs_free) + rhs_free.index(rhs_rows)
-    rows = rhs.shape[rhs_rows]
-    rhs = pad_axis(rhs, rhs_rows, MIN_MATMUL_ROWS)
-  batch_dims = tuple(range(batch))
-  out = jax.lax.dot_general(lhs, rhs, (((contract[0],), (contract[1],)), (batch_dims, batch_dims)),
+def _rows_dot(x: jax.Array, weight: jax.Array, contract: int) -> jax.Array:
+  """x [M, K] against `weight` contracted on its axis `contract` -> float32 [M, N]: bf16
+  inputs, float32 accumulation, rows padded to 3 and the contraction zero-padded to a
+  multiple of CONTRACTION_QUANTUM (the same length for every call on this weight)."""
+  rows = x.shape[0]
+  length = ceil_div(x.shape[1], CONTRACTION_QUANTUM) * CONTRACTION_QUANTUM
+  x = pad_axis(pad_axis(x.astype(BF16), 1, length), 0, MIN_MATMUL_ROWS)
+  weight = pad_axis(weight.astype(BF16), contract, length)
+  out = jax.lax.dot_general(x, weight, (((1,), (contract,)), ((), ())),
                             preferred_element_type=jnp.float32)
-  if out_axis is not None:
-    out = jax.lax.slice_in_dim(out, 0, rows, axis=out_axis)
-  return out
+  return out[:rows]
 
 
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """x [..., K] @ kernel [K, N] -> float32 [..., N], row-invariant."""
-  flat = x.reshape(-1, x.shape[-1])
-  out = dot(flat, kernel, (1, 0), lhs_rows=0)
+  out = _rows_dot(x.reshape(-1, x.shape[-1]), kernel, 0)
   return out.reshape(x.shape[:-1] + (kernel.shape[-1],))
 
 
 def table_matmul(x: jax.Array, table: jax.Array) -> jax.Array:
   """x [..., D] against a [V, D] table (logit v = table[v] . x) -> float32 [..., V],
   contracting the table as stored: a transposed bf16 table costs ~10x here."""
-  flat = x.reshape(-1, x.shape[-1])
-  out = dot(flat, table, (1, 1), lhs_rows=0)
+  out = _rows_dot(x.reshape(-1, x.shape[-1]), table, 1)
   return out.reshape(x.shape[:-1] + (table.shape[0],))
 
 
@@ -199,7 +179,7 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attention_weights(scores: jax.Array, peak: jax.Array, visible: jax.Array) -> jax.Array:
   """exp(scores - peak) where visible and above the floor, else exactly 0; rounded to bf16
-  (the value both the numerator's dot and the denominator read)."""
+  (the value both the numerator's products and the denominator read)."""
   z = scores - peak
   weights = jnp.where(visible & (z > EXP_FLOOR), jnp.exp(jnp.maximum(z, EXP_FLOOR)), 0.0)
   return weights.astype(BF16).astype(jnp.float32)

@@ -5,10 +5,10 @@ A query at absolute position p must get the same bits whether its keys sit in th
 block (prefill, the learner's full sequence), and whatever the cache window. So every query
 sums over keys laid out by absolute position, cut into chunks of `CHUNK` positions:
 
-  scores   q . k in bf16 with float32 accumulation (each score one dot: invariant);
+  scores   q . k: exact bf16 products and a pairwise sum over head_dim (`pairwise_dot`);
   peak     the max over the visible scores (exact in any order);
   weights  exp(score - peak), 0 where hidden or below the floor, rounded to bf16;
-  chunk j  its numerator sum_p w_p v_p (a bf16 dot over exactly CHUNK positions) and its
+  chunk j  its numerator sum_p w_p v_p (`pairwise_dot` over the CHUNK positions) and its
            denominator (a pairwise sum of the same rounded weights);
   total    a pairwise sum over the chunk index, then numerator / denominator.
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specroll_jax.model import invariant
 
-CHUNK = 32  # positions per chunk: a contraction this long is row-invariant here (invariant.py)
+CHUNK = 32  # positions per chunk; cache windows of other lengths are padded to whole chunks
 
 
 def _scores(qg, keys):
@@ -174,6 +174,4 @@ def invariant_cache_attention(q, k_cache, v_cache, cache_lengths, k_block, v_blo
   else:
     out = cached_attention(qg, k_cache, v_cache, cache_lengths, keys, values, block_mask)
   out = out.reshape(batch, num_kv, head_dim, t_len, groups).transpose(0, 3, 1, 4, 2)
-  # Materialised before the output projection reads it: fused into that projection's
-  # input (a pad to 3 rows at one row, none at 8) its bits changed with the batch.
-  return jax.lax.optimization_barrier(out.reshape(batch, t_len, num_heads, head_dim))
+  return out.reshape(batch, t_len, num_heads, head_dim)
