@@ -27,6 +27,7 @@ def get_config():
   c.prompt_buckets_per_octave = 4
   c.max_new_tokens = 256
   c.dtype = 'float32'  # of the policy (and of transformers' copy when hf_generate)
+  c.compute_dtype = 'float32'  # or 'bfloat16': ModelConfig.compute_dtype
   c.temperature = 1.0
   c.seed = 0
   c.repeats = 3

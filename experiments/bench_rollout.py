@@ -44,7 +44,7 @@ TAIL_ROWS = 4  # buckets of at most this many rows are the GRPO tail
 def main(argv):
   del argv
   c = _CONFIG.value
-  policy = load_policy(c.checkpoint, c.dtype)
+  policy = load_policy(c.checkpoint, c.dtype, compute_dtype=c.compute_dtype)
   drafts = warm_started_drafts(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes,
                      capacity_tokens=c.capacity_tokens,

@@ -4,9 +4,13 @@
 # 1. The Pallas kernel tests, compiled for the device (tree_attention lowers through Triton
 #    on cuda and Mosaic on tpu; the interpreter is for CPU only).
 # 2. kernels.bench_tree_attention against the XLA attention, float32 and bfloat16.
-# 3. W3 (configs/bench_w3.py) in bfloat16, when its model and heads are in workdir (the
-#    imported model is 540 MB; it is made by experiments.import_gguf, which needs torch).
-# Each step's output goes to OUT_DIR/<step>.log; the script stops at the first failure.
+# 3. The bf16 compute mode's invariance tests on the device: they assert this CPU's bitwise
+#    promises, so a failure here is a finding about the device's kernels (which identities
+#    hold there), recorded in bf16_invariance.log, not a reason to stop.
+# 4. W3 (configs/bench_w3.py) with bfloat16 parameters, float32 and bfloat16 compute, when
+#    its model is in workdir (the imported model is 540 MB; it is made by
+#    experiments.import_gguf, which needs torch).
+# Each step's output goes to OUT_DIR/<step>.log; the script stops at the first other failure.
 set -euo pipefail
 out=${1:?usage: experiments/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -17,14 +21,19 @@ if python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "cpu")'; then
   exit 1
 fi
 python3 -m pytest -q tests/test_tree_attention.py tests/test_kernel_export.py \
-  2>&1 | tee "$out/kernel_tests.log"
+  tests/test_accelerator_export.py 2>&1 | tee "$out/kernel_tests.log"
 for dtype in float32 bfloat16; do
   python3 -m kernels.bench_tree_attention --dtype "$dtype" 2>&1 | tee "$out/bench_kernel_$dtype.log"
 done
+python3 -m pytest -q tests/test_bf16_compute.py 2>&1 | tee "$out/bf16_invariance.log" \
+  || echo 'bf16 invariance: failures on this device, see the log' | tee -a "$out/bf16_invariance.log"
 w3_model=workdir/models/smollm2-135m-instruct
 if [[ -f $w3_model/config.json ]]; then
-  python3 -m experiments.bench_rollout --config=configs/bench_w3.py --config.dtype=bfloat16 \
-    --config.hf_generate=False --config.out_dir="$out/bench_w3_gpu" 2>&1 | tee "$out/bench_w3.log"
+  for compute in float32 bfloat16; do
+    python3 -m experiments.bench_rollout --config=configs/bench_w3.py --config.dtype=bfloat16 \
+      --config.compute_dtype="$compute" --config.hf_generate=False \
+      --config.out_dir="$out/bench_w3_gpu_$compute" 2>&1 | tee "$out/bench_w3_$compute.log"
+  done
 else
   echo "skipped W3: no $w3_model (python -m experiments.import_gguf makes it)" | tee "$out/bench_w3.log"
 fi

@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 from specroll_jax import load_policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
+from specroll_jax.rollout.engine import compiled_run
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import tree_config
 from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
@@ -84,7 +85,7 @@ def profile_loop(engine, params, state, seed_key) -> dict:
   """ms per loop iteration by stage and by module, from one traced run of `engine.run`."""
   stop = jnp.int32(0)
   # One executable for every run, and its HLO is what the trace's operation names refer to.
-  run = type(engine).run.lower(engine, params, state, seed_key, stop).compile()
+  run = compiled_run(jax.default_backend()).lower(engine, params, state, seed_key, stop).compile()
   jax.block_until_ready(run(params, state, seed_key, stop))  # warm up
   start = time.perf_counter()
   jax.block_until_ready(run(params, state, seed_key, stop))

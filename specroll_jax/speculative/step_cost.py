@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from specroll_jax.rollout.driver import Driver, take_rows
-from specroll_jax.rollout.engine import LOOP_COMPILER_OPTIONS
+from specroll_jax.rollout.engine import loop_compiler_options
 
 
 # Steps per timed call: a call's dispatch (~0.1-0.3 ms on the CPU) is a large share of a
@@ -34,7 +34,7 @@ def compiled_steps(step):
   would add the same constant to both kinds of step)."""
   def repeated(params, state, seed_key):
     return jax.lax.fori_loop(0, STEPS_PER_CALL, lambda _, s: step(params, s, seed_key), state)
-  return jax.jit(repeated, donate_argnums=1, compiler_options=LOOP_COMPILER_OPTIONS)
+  return jax.jit(repeated, donate_argnums=1, compiler_options=loop_compiler_options(jax.default_backend()))
 
 
 def _tree_widths_to_try(widest: int) -> tuple:
