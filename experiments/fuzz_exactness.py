@@ -13,8 +13,8 @@ id or none, a response length and a sampler (greedy, or temperature / top-k / to
 Greedy cases must be token-identical. A sampled response may differ only where a float
 near-tie explains it: the contract's draw margin at its first differing token, from a
 third forward, is below `audit.NEAR_TIE_MARGIN`; anything else is a contract break. The
-cases come from one hypothesis strategy, which `tests/test_fuzz_exactness.py` also runs (a
-few cases per suite run); this script runs many and commits what it saw.
+cases come from one hypothesis strategy, which `tests/speculative/test_fuzz_exactness.py`
+also runs (a few cases per suite run); this script runs many and commits what it saw.
 """
 import dataclasses
 import json

@@ -20,12 +20,12 @@ if python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "cpu")'; then
   echo 'JAX sees no accelerator: these checks would run the CPU interpreter' >&2
   exit 1
 fi
-python3 -m pytest -q tests/test_tree_attention.py tests/test_kernel_export.py \
-  tests/test_accelerator_export.py 2>&1 | tee "$out/kernel_tests.log"
+python3 -m pytest -q tests/kernels/test_tree_attention.py tests/kernels/test_kernel_export.py \
+  tests/model/test_accelerator_export.py 2>&1 | tee "$out/kernel_tests.log"
 for dtype in float32 bfloat16; do
   python3 -m kernels.bench_tree_attention --dtype "$dtype" 2>&1 | tee "$out/bench_kernel_$dtype.log"
 done
-python3 -m pytest -q tests/test_bf16_compute.py 2>&1 | tee "$out/bf16_invariance.log" \
+python3 -m pytest -q tests/model/test_bf16_compute.py 2>&1 | tee "$out/bf16_invariance.log" \
   || echo 'bf16 invariance: failures on this device, see the log' | tee -a "$out/bf16_invariance.log"
 w3_model=workdir/models/smollm2-135m-instruct
 if [[ -f $w3_model/config.json ]]; then

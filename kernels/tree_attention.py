@@ -9,7 +9,7 @@ tile holding a valid slot, and the T block keys are folded in last under `block_
 
 Each platform gets its own lowering, chosen when the call is lowered (through
 `lax.platform_dependent`), not from the machine it is traced on, so the kernel can be
-exported for a GPU or a TPU from a CPU host (tests/test_kernel_export.py does):
+exported for a GPU or a TPU from a CPU host (tests/kernels/test_kernel_export.py does):
   * cuda: Triton. JAX's default GPU path, Mosaic GPU, copies whole tiles with TMA and
     rejects copies that are not a multiple of the 128-thread warpgroup (16 bytes of
     cache lengths already fail), and its `pallas_call` entry point is deprecated for

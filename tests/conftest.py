@@ -32,6 +32,12 @@ needs_full_data = pytest.mark.skipif(
            f'{paths.DEFAULT_DATA_DIR}')
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'slow: starts processes or runs a notebook (minutes); `pytest -m "not slow"` '
+      'is the fast set, CI runs everything')
+
+
 @pytest.fixture(scope='session')
 def stories_policy():
   from specroll_jax import load_policy

@@ -31,7 +31,7 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
 - Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
   become exactly 0.
 - 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
-Checked on the engines by `tests/test_bf16_compute.py`.
+Checked on the engines by `tests/model/test_bf16_compute.py`.
 """
 from functools import partial
 

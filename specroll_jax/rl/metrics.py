@@ -1,14 +1,20 @@
-"""A GRPO run's metrics: one JSON line per step in workdir/metrics.jsonl, built by one function."""
+"""A GRPO run's metrics: one JSON line per step in workdir/metrics.jsonl, built by one
+function, and the same numbers as TensorBoard scalars in workdir/tensorboard
+(`tensorboard --logdir workdir`)."""
 import json
+import math
+import numbers
 from pathlib import Path
 
 import numpy as np
+from tensorboardX import SummaryWriter
 
 from specroll_jax.rl.phases import PhaseTimer
 from specroll_jax.rl.resources import process_memory
 from specroll_jax.rl.rollouts import rollout_digest
 
 METRICS_FILE = 'metrics.jsonl'
+EVENTS_DIR = 'tensorboard'
 # Speculation's per-response reports that go into a step's line as they are.
 SUMMARY_PREFIXES = ('reflex_', 'group_')
 
@@ -41,16 +47,32 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+def scalars(row: dict) -> dict:
+  """The entries of a step's line TensorBoard can plot: finite numbers (lists, such as the
+  acceptance by depth, stay in metrics.jsonl)."""
+  return {k: float(v) for k, v in row.items()
+          if isinstance(v, numbers.Real) and k != 'step' and math.isfinite(v)}
+
+
 class MetricsLog:
   """Appends step lines on the primary process; a resumed run first drops what the restored
-  checkpoint does not cover."""
+  checkpoint does not cover, in both records (TensorBoard hides the steps after
+  `restored_step` that an interrupted run wrote to its event files: `purge_step`)."""
 
   def __init__(self, path: Path, restored_step: int, primary: bool):
-    self.path, self.primary = path, primary
+    self.path, self.primary, self.events = path, primary, None
     if primary:
       truncate_metrics(path, restored_step)
+      self.events = SummaryWriter(str(path.parent / EVENTS_DIR), purge_step=restored_step + 1)
 
   def append(self, row: dict) -> None:
     if self.primary:
       with self.path.open('a') as f:
         f.write(json.dumps(row) + '\n')
+      for tag, value in scalars(row).items():
+        self.events.add_scalar(tag, value, row['step'])
+      self.events.flush()
+
+  def close(self) -> None:
+    if self.events is not None:
+      self.events.close()

@@ -32,6 +32,7 @@ def train(c, workdir) -> dict:
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward']:.2f}", tau=f"{metrics['tau']:.2f}")
   run.checkpoints.wait_until_finished()
+  run.metrics.close()
   if run.primary:
     # Whole passes over the task list, so both windows hold the same prompts when it cycles.
     steps_per_pass = -(-len(run.tasks) // c.rollout.prompts_per_step)

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from specroll_jax.speculative.heads import HeadsConfig, init_heads, save_heads
 from tests.conftest import REPO
 
@@ -18,6 +20,7 @@ def _generate(tmp_path, engine, *extra):
   return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_generate_cli_engines_agree(tmp_path, stories_policy):
   save_heads(tmp_path / 'heads', HeadsConfig(), init_heads(HeadsConfig(), stories_policy.config))
   vanilla = _generate(tmp_path, 'vanilla')

@@ -3,6 +3,7 @@ import json
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -11,10 +12,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from tensorboardX.proto.event_pb2 import Event
 
 from configs import smol_grpo
 from configs.tiny_math import get_config
-from specroll_jax.rl.metrics import truncate_metrics
+from specroll_jax.rl.metrics import EVENTS_DIR, MetricsLog, scalars, truncate_metrics
 from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
 from specroll_jax.speculative.drafter import DrafterConfig, load_drafter
@@ -183,6 +185,7 @@ def _checkpoint(workdir):
   return manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())
 
 
+@pytest.mark.slow
 def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
   # Every launch loads the session's compiled programs (conftest's cache) instead of
   # compiling them again: the same executables, so the same bits.
@@ -215,6 +218,41 @@ def test_metrics_cut_short_by_a_kill_are_dropped_on_resume(tmp_path):
   path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"ste')
   truncate_metrics(path, last_step=2)
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def _events(events_file):
+  """The Event records of a TensorBoard event file (TFRecord framing: a little-endian
+  uint64 length, its CRC, the record, the record's CRC)."""
+  data, offset, events = events_file.read_bytes(), 0, []
+  while offset < len(data):
+    (length,) = struct.unpack('<Q', data[offset:offset + 8])
+    events.append(Event.FromString(data[offset + 12:offset + 12 + length]))
+    offset += 12 + length + 4
+  return events
+
+
+def _scalar_events(workdir):
+  return [(e.step, v.tag, v.simple_value)
+          for f in sorted((workdir / EVENTS_DIR).iterdir()) for e in _events(f)
+          for v in e.summary.value]
+
+
+def test_tensorboard_events_hold_the_metrics_scalars(vanilla_run):
+  expected = [(m['step'], tag, np.float32(value)) for m in _metrics(vanilla_run)
+              for tag, value in scalars(m).items()]
+  assert ('reward' in {tag for _, tag, _ in expected}
+          and sorted(_scalar_events(vanilla_run)) == sorted(expected))
+
+
+def test_a_resumed_log_purges_the_steps_after_its_checkpoint(tmp_path):
+  first = MetricsLog(tmp_path / 'metrics.jsonl', 0, primary=True)
+  for step in (1, 2, 3):
+    first.append({'step': step, 'reward': 0.5})
+  first.close()
+  MetricsLog(tmp_path / 'metrics.jsonl', 2, primary=True).close()
+  resumed = _events(sorted((tmp_path / EVENTS_DIR).iterdir())[-1])
+  # TensorBoard drops the earlier files' events from this step on.
+  assert [e.step for e in resumed if e.HasField('session_log')] == [3]
 
 
 def test_config_pointing_at_a_missing_checkpoint_is_a_clear_error(tmp_path):

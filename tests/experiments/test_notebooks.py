@@ -9,6 +9,7 @@ NOTEBOOKS = sorted((REPO / 'experiments' / 'notebooks').glob('*.ipynb'))
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.slow
 def test_notebook_executes(path, monkeypatch):
   # The kernel sees one host device, as a user's one-CPU session does (the suite forces 8,
   # and configs/tiny_math.py's mesh would split rows over all of them).

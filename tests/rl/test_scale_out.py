@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from flax import traverse_util
 
 from specroll_jax import load_policy
@@ -19,7 +20,7 @@ from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
 from specroll_jax.tasks.default_policy import ensure_default_policy
 from tests.conftest import REPO
-from tests.test_trainer import SMALL, _config, _metrics
+from tests.rl.test_trainer import SMALL, _config, _metrics
 
 # The committed W1 policy answers some of these tasks, so advantages (and gradients) are
 # not zero; a small learning rate keeps step 2's rollout on the tokens of step 1's params.
@@ -50,7 +51,7 @@ def _restored(workdir):
 def _close(sharded, single, learning_rate, steps):
   """Policies after `steps` AdamW steps on identical tokens: all but a few entries agree to
   1e-6; entries whose gradient sits within a few eps of zero can differ up to Adam's bound
-  of lr per step on each side (tests/test_mesh_learner.py derives both)."""
+  of lr per step on each side (tests/rl/test_mesh_learner.py derives both)."""
   for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
     difference = np.abs(np.asarray(a) - np.asarray(b))
     assert difference.max() <= 2 * steps * learning_rate
@@ -147,6 +148,7 @@ def _processes(workdir, kill_at=None):
 MULTI_PROCESS = {**SHARDED, 'rollout.engine': 'vanilla'}
 
 
+@pytest.mark.slow
 def test_two_processes_killed_and_resumed_equal_one_process(tmp_path):
   _run(tmp_path / 'one_process', **MULTI_PROCESS)
   killed = tmp_path / 'two'
