@@ -18,7 +18,7 @@ from specroll_jax.model.mesh import MeshConfig
 from specroll_jax.rl.audit import AuditConfig
 from specroll_jax.rl.evaluation import EvaluationConfig
 from specroll_jax.rl.grpo import GRPOConfig
-from specroll_jax.rl.rollouts import DRIVER_DERIVED, TREE_DERIVED
+from specroll_jax.rl.run_config import DRIVER_DERIVED, GRPO_DERIVED, TREE_DERIVED
 from specroll_jax.rl.sections import section
 from specroll_jax.rollout.driver import RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -80,7 +80,7 @@ def get_config():
   c.drafter = ml_collections.ConfigDict(dict(
       model=section(DrafterConfig), training=section(DrafterTraining), branching=(4, 2, 2, 1),
       num_sequences=512, held_out=64))
-  # Adaptation of the heads or the drafter (rl.head_adaptation.ADAPTATION_MODES): slow = the
+  # Adaptation of the heads or the drafter (rl.run_config.ADAPTATION_MODES): slow = the
   # slow path alone. Reflex (mode=reflex|both; heads only) is off: on W1 its gates never open
   # and it costs generation time (WORKSPACE_NOTES, "Issue 15").
   c.adaptation = ml_collections.ConfigDict(dict(
@@ -99,7 +99,5 @@ def get_config():
   c.audit = section(AuditConfig, every=5)
   # group_size and temperature are the rollout's, score_span follows its max_new_tokens; the
   # update harvests head pairs (adaptation.harvest_top_k) only on steps that train heads.
-  c.grpo = section(GRPOConfig,
-                   exclude=('group_size', 'temperature', 'harvest_top_k', 'score_span'),
-                   learning_rate=1e-4, micro_batch_size=32)
+  c.grpo = section(GRPOConfig, exclude=GRPO_DERIVED, learning_rate=1e-4, micro_batch_size=32)
   return c

@@ -2,7 +2,7 @@
 
   python -m experiments.bench_adaptation --config=configs/ablation_w1.py
 
-Variants (rl.head_adaptation.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
+Variants (rl.run_config.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
 slow path only, both. Every variant starts from the same policy, data, seed and warm-started
 heads or drafter (rollout.proposers; trained once, or c.initial_heads, and copied), and emits
 the same tokens (their rollout digests are compared). Times are sums over the steps after

@@ -22,8 +22,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
-from specroll_jax.rl.rollouts import Rollouts, run_prompt_width
+from specroll_jax.rl.rollouts import Rollouts, make_proposer, run_prompt_width
 from specroll_jax.rl.run import resolve_policy
+from specroll_jax.rl.run_config import run_config
 from specroll_jax.speculative.heads import load_heads
 from specroll_jax.tasks.sources import load_tasks
 
@@ -47,7 +48,7 @@ VARIANTS = {'vanilla': ('vanilla', 'heads', 'static', {}),
 def main(argv):
   del argv
   base = _CONFIG.value
-  policy = load_policy(resolve_policy(base), dtype=base.policy.dtype)
+  policy = load_policy(resolve_policy(run_config(base).policy), dtype=base.policy.dtype)
   tasks = load_tasks(base.task.source, count=base.task.count, seed=base.seed)
   task_prompts = [policy.prompt_ids(t.prompt, base.task.chat_template) for t in tasks]
   prompts = task_prompts[:base.rollout.prompts_per_step]
@@ -58,7 +59,9 @@ def main(argv):
       c = base.copy_and_resolve_references()
       c.rollout.engine, c.rollout.proposers, c.adaptation.mode = engine, proposers, mode
       c.rollout.update(overrides)
-      rollouts = Rollouts(policy, c, heads_config, Path(_HEADS.value),
+      config = run_config(c)
+      rollouts = Rollouts(policy, config.rollout,
+                          make_proposer(policy, config, heads_config, Path(_HEADS.value), None),
                           run_prompt_width(task_prompts), None, Path(prices) / f'{len(runs)}.json')
       rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
       runs[name] = rollouts

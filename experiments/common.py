@@ -1,4 +1,5 @@
 """Paths and file helpers shared by the experiment entry points (no flags defined here)."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 from specroll_jax.rl.report import TIME_KEYS
 from specroll_jax.rl.metrics import METRICS_FILE
 from specroll_jax.rl.run import STEP_COSTS_FILE
+from specroll_jax.rl.run_config import RunConfig
 from specroll_jax.rl.trainer import train
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
@@ -42,13 +44,24 @@ def write_jsonl_atomic(path: Path, rows) -> None:
   tmp.replace(path)
 
 
+def trainer_part(c):
+  """The trainer's sections of a benchmark config, which adds its own top-level keys
+  (out_dir, variants, ...) to a training config: what `train` checks, strictly."""
+  part = c.copy_and_resolve_references()
+  trainer_keys = {f.name for f in dataclasses.fields(RunConfig)}
+  for key in [k for k in part.keys() if k not in trainer_keys]:
+    del part[key]
+  return part
+
+
 def run_fresh(run, workdir: Path) -> list[dict]:
-  """Trains config `run` from step 0 in `workdir` (cached heads kept); returns its metrics."""
+  """Trains the benchmark config `run` from step 0 in `workdir` (cached heads kept);
+  returns its metrics."""
   shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)
   (workdir / METRICS_FILE).unlink(missing_ok=True)
   # The gate's prices belong to the run: a fresh run measures its own.
   (workdir / STEP_COSTS_FILE).unlink(missing_ok=True)
-  train(run, workdir)
+  train(trainer_part(run), workdir)
   return [json.loads(l) for l in (workdir / METRICS_FILE).read_text().splitlines() if l]
 
 

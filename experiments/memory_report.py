@@ -18,11 +18,9 @@ from ml_collections import config_flags
 
 from configs import paper
 from specroll_jax.model.config import config_from_hf, load_config
-from specroll_jax.model.mesh import AXES, MeshConfig
+from specroll_jax.model.mesh import AXES
 from specroll_jax.rl import memory
-from specroll_jax.rl.drafter_adaptation import drafter_config
-from specroll_jax.rl.sections import build
-from specroll_jax.speculative.factory import learned_proposer, parse_proposers
+from specroll_jax.rl.run_config import run_config
 from specroll_jax.speculative.heads import HeadsConfig
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
@@ -50,13 +48,13 @@ def main(argv):
   del argv
   c = _CONFIG.value
   config = model_config(c)
-  shape = dict(zip(AXES, build(MeshConfig, c.mesh, 'mesh').shape(FLAGS.devices)))
-  width = FLAGS.prompt_width + c.rollout.driver.max_new_tokens
-  learned = (learned_proposer(parse_proposers(c.rollout.proposers))
-             if c.rollout.engine == 'specroll' else None)
-  heads = HeadsConfig(c.heads.num_heads) if learned == 'heads' else None
-  drafter = drafter_config(c) if learned == 'drafter' else None
-  report = memory.report(config, memory.Workload.from_config(c, width, heads, drafter), shape)
+  run = run_config(c, num_devices=FLAGS.devices)
+  shape = dict(zip(AXES, run.mesh.shape(FLAGS.devices)))
+  width = FLAGS.prompt_width + run.rollout.driver.max_new_tokens
+  learned = run.rollout.learned_proposer
+  heads = HeadsConfig(run.heads.num_heads) if learned == 'heads' else None
+  drafter = run.drafter.model if learned == 'drafter' else None
+  report = memory.report(config, memory.Workload.from_config(run, width, heads, drafter), shape)
   print(report.table())
   if FLAGS.out:
     Path(FLAGS.out).write_text(json.dumps({'mesh': report.mesh, 'parts': dict(report.parts),

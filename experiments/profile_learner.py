@@ -29,9 +29,9 @@ from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
 from specroll_jax.rl import grpo
-from specroll_jax.rl.learner import grpo_config
 from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rl.run import resolve_policy
+from specroll_jax.rl.run_config import run_config
 from specroll_jax.tasks.sources import load_tasks
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
@@ -99,10 +99,11 @@ def learner_batch(policy, c) -> grpo.RolloutBatch:
 def main(argv):
   del argv
   c = _CONFIG.value
-  policy = load_policy(resolve_policy(c), dtype=c.policy.dtype,
-                       compute_dtype=c.policy.compute_dtype)
+  run = run_config(c)
+  policy = load_policy(resolve_policy(run.policy), dtype=run.policy.dtype,
+                       compute_dtype=run.policy.compute_dtype)
   # The harvest is on where the slow path consumes it (the main job's adaptation 'both').
-  config = grpo_config(c, c.adaptation.harvest_top_k)
+  config = dataclasses.replace(run.grpo, harvest_top_k=run.adaptation.harvest_top_k)
   batch = learner_batch(policy, c)
   num_params = sum(x.size for x in jax.tree.leaves(policy.params))
   step_flops = micro_batch_flops(policy, config, batch) * (batch.tokens.shape[0]

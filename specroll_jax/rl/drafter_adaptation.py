@@ -5,7 +5,7 @@ depth along the spine); any triggered depth trains the whole block, which every 
 shares (adapt/drafter_consolidation.py). The monitor then counts the update for the
 triggered depths only, though the others' drafts changed too: a depth that did not trigger
 keeps its baseline and goes on being judged against it. Reflex does not apply to the
-drafter (speculative/drafter_proposer.py says why; run.check_config refuses it).
+drafter (speculative/drafter_proposer.py says why; run_config refuses it).
 """
 import sys
 from pathlib import Path
@@ -16,52 +16,34 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specroll_jax.adapt import drafter_consolidation
 from specroll_jax.adapt.distill import WarmStart
-from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_drafter
+from specroll_jax.adapt.drafter_training import warm_start_drafter
 from specroll_jax.model.policy import Policy
 from specroll_jax.rl.head_adaptation import Adaptation, HeadsState
-from specroll_jax.rl.sections import build
+from specroll_jax.rl.run_config import AdaptationSection, DrafterSection
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterParams, has_drafter,
                                               load_drafter)
 
 
-def drafter_config(c) -> DrafterConfig:
-  return build(DrafterConfig, c.drafter.model, 'drafter.model')
-
-
-def drafter_training(c) -> DrafterTraining:
-  return build(DrafterTraining, c.drafter.training, 'drafter.training')
-
-
-def drafter_branching(c) -> tuple:
-  """The spine's candidates per depth; a static argument of the compiled proposer."""
-  branching = tuple(int(b) for b in c.drafter.branching)
-  if not branching or min(branching) < 1 or len(branching) > drafter_config(c).depth:
-    raise ValueError(f'config drafter.branching={branching}: one width >= 1 per depth, at most '
-                     f'drafter.model.depth={drafter_config(c).depth} depths')
-  return branching
-
-
-def warm_start_run_drafter(policy: Policy, c, task_prompts, workdir: Path, source: Path):
+def warm_start_run_drafter(policy: Policy, d: DrafterSection, plan: WarmStart, task_prompts,
+                           workdir: Path, source: Path):
   """A drafter self-distilled on the initial policy's own answers to the task prompts (token
   ids; cached in workdir/drafter); returns (config, params)."""
-  d, directory = c.drafter, workdir / 'drafter'
+  directory = workdir / 'drafter'
   if not has_drafter(directory):
     print(f'warm-starting a drafter into {directory}', file=sys.stderr)
-    plan = WarmStart(num_sequences=d.num_sequences, held_out=d.held_out,
-                     max_new_tokens=c.rollout.driver.max_new_tokens,
-                     temperature=c.rollout.sampler.temperature, seed=c.seed)
-    warm_start_drafter(policy, drafter_config(c), drafter_training(c),
-                       task_prompts[:d.num_sequences + d.held_out], plan, directory, str(source))
+    warm_start_drafter(policy, d.model, d.training, task_prompts[:d.num_sequences + d.held_out],
+                       plan, directory, str(source))
   return load_drafter(directory, policy.config)
 
 
 class DrafterAdaptation(Adaptation):
   """The drafter's block, trained whole when any depth triggers."""
 
-  def __init__(self, c, policy: Policy, config: DrafterConfig, proposer):
-    super().__init__(c, drafter_branching(c), proposer, config.depth)
+  def __init__(self, adaptation: AdaptationSection, drafter: DrafterSection, policy: Policy,
+               config: DrafterConfig, proposer):
+    super().__init__(adaptation, drafter.branching, proposer, config.depth)
     self.policy_config, self.drafter_config = policy.config, config
-    self.training = drafter_training(c)
+    self.training = drafter.training
 
   def init_state(self, params: DrafterParams, mesh) -> HeadsState:
     # A few MiB (SmolLM2: 2.0 M parameters): a copy on every device.

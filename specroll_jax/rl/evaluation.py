@@ -33,14 +33,16 @@ class EvaluationConfig:
       raise ValueError(f'evaluation: every must be >= 0, count and samples >= 1, got {self}')
 
 
-def held_out_tasks(config: EvaluationConfig, c, training: list[Task]) -> list[Task]:
-  """`config.count` tasks whose prompts are not among the training tasks' prompts."""
+def held_out_tasks(config: EvaluationConfig, training: list[Task], *, task_source: str,
+                   data_dir: str, chat_template: bool) -> list[Task]:
+  """`config.count` tasks whose prompts are not among the training tasks' prompts (from
+  the training's `task_source` unless config.source names another)."""
   trained = {t.prompt for t in training}
-  source = config.source or c.task.source
+  source = config.source or task_source
   # Synthetic tasks are drawn by seed, so a few more than needed leave room for overlaps.
   candidates = load_tasks(source, count=2 * config.count + len(trained), seed=config.seed,
-                          data_dir=c.task.data_dir or None, split=config.split or None,
-                          chat=c.task.chat_template)
+                          data_dir=data_dir or None, split=config.split or None,
+                          chat=chat_template)
   kept = [t for t in candidates if t.prompt not in trained][:config.count]
   if len(kept) < config.count:
     raise ValueError(f'config evaluation: {source!r} (split {config.split or "default"!r}) has '

@@ -14,17 +14,12 @@ import numpy as np
 from flax import struct
 
 from specroll_jax.adapt import consolidation, monitor
-from specroll_jax.adapt.consolidation import ConsolidationConfig
 from specroll_jax.adapt.distill import DistillConfig, WarmStart, ensure_heads
-from specroll_jax.adapt.monitor import MonitorConfig, MonitorState
+from specroll_jax.adapt.monitor import MonitorState
 from specroll_jax.model.mesh import head_sharding, optimizer_sharding
 from specroll_jax.model.policy import Policy
-from specroll_jax.rl.sections import build
+from specroll_jax.rl.run_config import AdaptationSection, HeadsSection
 from specroll_jax.speculative.heads import HeadsConfig
-
-# static: warm-started heads, never adapted; online: heads retrained on every batch (the
-# FastGRPO-like baseline); reflex / slow: one timescale; both: SpecRoll.
-ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
 
 
 @struct.dataclass
@@ -35,15 +30,12 @@ class HeadsState:
   monitor: MonitorState  # the slow path's monitor, one watch per head or drafter depth
 
 
-def warm_start_heads(policy: Policy, c, task_prompts, workdir: Path, source: Path):
+def warm_start_heads(policy: Policy, h: HeadsSection, plan: WarmStart, task_prompts,
+                     workdir: Path, source: Path):
   """Heads self-distilled on the initial policy's own answers to the task prompts (token
   ids; cached in workdir/heads); returns (heads config, params, directory)."""
-  h = c.heads
   directory = workdir / 'heads'
   prompts = task_prompts[:h.num_sequences + h.held_out]
-  plan = WarmStart(num_sequences=h.num_sequences, held_out=h.held_out,
-                   max_new_tokens=c.rollout.driver.max_new_tokens,
-                   temperature=c.rollout.sampler.temperature, seed=c.seed)
   heads_config, params = ensure_heads(policy, HeadsConfig(h.num_heads),
                                       DistillConfig(steps=h.steps, batch_size=h.batch_size,
                                                     draft_vocab_size=h.draft_vocab_size),
@@ -58,13 +50,10 @@ class Adaptation(abc.ABC):
   `init_state` and `train`. The monitor watches one window per depth of `branching`;
   `trainable` is the triggers' length (the heads, or the drafter's depths)."""
 
-  def __init__(self, c, branching: tuple, proposer, trainable: int):
-    self.mode = c.adaptation.mode
-    self.monitor_config = build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
+  def __init__(self, config: AdaptationSection, branching: tuple, proposer, trainable: int):
+    self.mode, self.monitor_config = config.mode, config.monitor
     # The always-online baseline is tuned on its own (WORKSPACE_NOTES, issue 15).
-    section = 'online' if self.mode == 'online' else 'consolidation'
-    self.consolidation_config = build(ConsolidationConfig, c.adaptation[section],
-                                      f'adaptation.{section}')
+    self.consolidation_config = config.retraining
     self.branching, self.proposer, self.trainable = branching, proposer, trainable
 
   @property
@@ -117,8 +106,9 @@ class Adaptation(abc.ABC):
 class HeadAdaptation(Adaptation):
   """Each triggered head trains alone (adapt/consolidation.py)."""
 
-  def __init__(self, c, policy: Policy, heads_config: HeadsConfig, branching: tuple, proposer):
-    super().__init__(c, branching, proposer, heads_config.num_heads)
+  def __init__(self, config: AdaptationSection, policy: Policy, heads_config: HeadsConfig,
+               branching: tuple, proposer):
+    super().__init__(config, branching, proposer, heads_config.num_heads)
     self.policy_config, self.heads_config = policy.config, heads_config
 
   def init_state(self, params, mesh) -> HeadsState:

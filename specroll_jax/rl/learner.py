@@ -17,7 +17,6 @@ from specroll_jax.model.mesh import (optimizer_sharding, param_sharding, put_row
 from specroll_jax.model.policy import Policy
 from specroll_jax.rl import grpo, lora
 from specroll_jax.rl.head_adaptation import HeadsState
-from specroll_jax.rl.sections import build
 
 
 @struct.dataclass
@@ -31,14 +30,6 @@ class TrainState:
   adapters: dict | None = None  # LoRA adapters (grpo.lora_rank > 0)
 
 
-def grpo_config(c, harvest_top_k: int) -> grpo.GRPOConfig:
-  """The run's GRPO config; the loss scores each row from its last prompt position on, as
-  far as the longest response the rollouts can return."""
-  return build(grpo.GRPOConfig, c.grpo, 'grpo', group_size=c.rollout.group_size,
-               temperature=c.rollout.sampler.temperature or 1.0, harvest_top_k=harvest_top_k,
-               score_span=c.rollout.driver.max_new_tokens + 1)
-
-
 class Learner:
   """GRPO on the run's one learner width, the policy's arrays sharded once by the mesh.
 
@@ -47,21 +38,21 @@ class Learner:
   run only on the steps whose heads were triggered.
   """
 
-  def __init__(self, c, policy: Policy, width: int, mesh):
+  def __init__(self, config: grpo.GRPOConfig, policy: Policy, width: int, mesh, *,
+               harvest_top_k: int, drift_kl_every: int, seed: int):
     self.model_config, self.width, self.mesh = policy.config, width, mesh
-    self.config = grpo_config(c, 0)
+    self.config = config
     # The harvest's span is the loss's: one projection serves both.
-    self.harvest_config = dataclasses.replace(self.config,
-                                              harvest_top_k=c.adaptation.harvest_top_k,
-                                              harvest_span=self.config.score_span)
+    self.harvest_config = dataclasses.replace(config, harvest_top_k=harvest_top_k,
+                                              harvest_span=config.score_span)
     self.optimizer = grpo.make_optimizer(self.config)
     # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
     self.initial_policy = shard_params(mesh, policy.params)
     self.reference = self.initial_policy if self.config.kl_coef > 0 else None
     # Read after the first update (the KL term's reference, the drift KL), so the trained
     # policy, whose buffers each update reuses, starts as a copy of it.
-    self.keeps_initial_policy = self.reference is not None or c.metrics.drift_kl_every > 0
-    self.seed = c.seed
+    self.keeps_initial_policy = self.reference is not None or drift_kl_every > 0
+    self.seed = seed
 
   def init_state(self, heads: HeadsState | None) -> TrainState:
     adapters = None

@@ -24,7 +24,7 @@ from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_s
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.model.vocab_chunks import rows_per_chunk
 from specroll_jax.rl import grpo, lora
-from specroll_jax.rl.learner import grpo_config
+from specroll_jax.rl.run_config import RunConfig
 from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
@@ -45,10 +45,11 @@ class Workload:
   scored_width: int = 0        # positions per row the loss projects (grpo.score_span; 0 = all)
 
   @classmethod
-  def from_config(cls, c, width: int, heads: HeadsConfig | None,
+  def from_config(cls, config: RunConfig, width: int, heads: HeadsConfig | None,
                   drafter: DrafterConfig | None = None) -> 'Workload':
-    g = grpo_config(c, 0)
-    return cls(rollout_rows=c.rollout.driver.max_batch, cache_length=width,
+    """The workload of a run at learner width `width`."""
+    g = config.grpo
+    return cls(rollout_rows=config.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=g.micro_batch_size, learner_width=width,
                lora_rank=g.lora_rank, lora_targets=g.lora_targets, heads=heads,
                drafter=drafter, stream_logits=g.stream_logits, scored_width=g.score_span)

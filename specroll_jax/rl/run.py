@@ -1,6 +1,6 @@
 """A GRPO run built once from its config: everything the steps read and never change.
 
-`check_config` runs first and loads nothing, so a bad section fails in seconds. Every
+The config arrives typed and checked (rl/run_config.py: a bad field fails in seconds). Every
 process of a multi-process run builds the same run from the same config and workdir (a
 shared filesystem): process 0 writes metrics, the report and cached files; Orbax writes the
 checkpoints from every process.
@@ -8,97 +8,49 @@ checkpoints from every process.
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
-from specroll_jax.adapt.consolidation import ConsolidationConfig
-from specroll_jax.adapt.monitor import MonitorConfig
-from specroll_jax.adapt.reflex import ReflexConfig
-from specroll_jax.model.mesh import AXES, ROWS, MeshConfig, axis_size, make_mesh
+from specroll_jax.adapt.distill import WarmStart
+from specroll_jax.model.mesh import make_mesh
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, memory
-from specroll_jax.rl.audit import Audit, AuditConfig
-from specroll_jax.rl.evaluation import EvaluationConfig, HeldOutEvaluation, held_out_tasks
-from specroll_jax.rl.drafter_adaptation import (DrafterAdaptation, drafter_branching,
-                                                drafter_training, warm_start_run_drafter)
-from specroll_jax.rl.head_adaptation import (ADAPTATION_MODES, Adaptation, HeadAdaptation,
-                                             warm_start_heads)
-from specroll_jax.rl.learner import Learner, TrainState, grpo_config
+from specroll_jax.rl.audit import Audit
+from specroll_jax.rl.evaluation import HeldOutEvaluation, held_out_tasks
+from specroll_jax.rl.drafter_adaptation import DrafterAdaptation, warm_start_run_drafter
+from specroll_jax.rl.head_adaptation import Adaptation, HeadAdaptation, warm_start_heads
+from specroll_jax.rl.learner import Learner, TrainState
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
 from specroll_jax.rl.resources import return_large_frees_to_the_os
-from specroll_jax.rl.rollouts import (Rollouts, check_tree_section, driver_config,
-                                      head_draft_config, run_prompt_width, sampler_config)
-from specroll_jax.rl.sections import build
-from specroll_jax.speculative.factory import ENGINES, learned_proposer, parse_proposers
-from specroll_jax.speculative.gate import GateConfig
-from specroll_jax.speculative.group_proposer import GroupDraftConfig
+from specroll_jax.rl.rollouts import Rollouts, make_proposer, run_prompt_width
+from specroll_jax.rl.run_config import PolicySection, RunConfig
 from specroll_jax.tasks.default_policy import ensure_default_policy
-from specroll_jax.tasks.rewards import REWARD_RULES
 from specroll_jax.tasks.sources import load_tasks
 
 STEP_COSTS_FILE = 'step_costs.json'  # the speculation gate's prices, measured on the first batch
 
 
-def check_config(c) -> None:
-  """Every section builds its dataclass and names are valid, before anything is loaded."""
-  if c.rollout.engine not in ENGINES:
-    raise ValueError(f'config rollout.engine must be one of {ENGINES}, got {c.rollout.engine!r}')
-  if c.adaptation.mode not in ADAPTATION_MODES:
-    raise ValueError(f'config adaptation.mode must be one of {ADAPTATION_MODES}, '
-                     f'got {c.adaptation.mode!r}')
-  build(ReflexConfig, c.adaptation.reflex, 'adaptation.reflex')
-  build(MonitorConfig, c.adaptation.monitor, 'adaptation.monitor')
-  build(ConsolidationConfig, c.adaptation.consolidation, 'adaptation.consolidation')
-  build(ConsolidationConfig, c.adaptation.online, 'adaptation.online')
-  grpo_config(c, c.adaptation.harvest_top_k)
-  sampler_config(c)
-  driver = driver_config(c, prompt_width=16)
-  check_tree_section(c)
-  head_draft_config(c)
-  learned = learned_proposer(parse_proposers(c.rollout.proposers))
-  if learned is None and c.adaptation.mode != 'static':
-    raise ValueError(f'config adaptation.mode={c.adaptation.mode!r} adapts heads or a drafter, '
-                     f'but rollout.proposers={c.rollout.proposers!r} has neither (use '
-                     'mode=static)')
-  if learned == 'drafter':
-    if c.adaptation.mode in ('reflex', 'both'):
-      raise ValueError(f'config adaptation.mode={c.adaptation.mode!r}: Reflex corrects horizon '
-                       'heads and does not apply to the drafter (speculative/'
-                       'drafter_proposer.py); use static, slow or online')
-    drafter_training(c)
-    drafter_branching(c)
-  build(GroupDraftConfig, c.rollout.group, 'rollout.group')
-  build(GateConfig, c.rollout.gate, 'rollout.gate')
-  build(AuditConfig, c.audit, 'audit')
-  build(EvaluationConfig, c.evaluation, 'evaluation')
-  if c.task.reward not in REWARD_RULES:
-    raise ValueError(f'config task.reward must be one of {REWARD_RULES}, got {c.task.reward!r}')
-  mesh = build(MeshConfig, c.mesh, 'mesh')
-  rows_split = axis_size(dict(zip(AXES, mesh.shape(jax.device_count()))), ROWS)
-  for name, value in (('rollout.driver.max_batch', driver.max_batch),
-                      ('grpo.micro_batch_size', c.grpo.micro_batch_size)):
-    if value % rows_split:
-      raise ValueError(f'config {name}={value} must be a multiple of mesh data x fsdp = '
-                       f'{rows_split} (rows are split over both)')
-  if c.rollout.prompts_per_step % jax.process_count():
-    raise ValueError(f'config rollout.prompts_per_step={c.rollout.prompts_per_step} must be '
-                     f'a multiple of the {jax.process_count()} processes (each scores its share)')
-
-
-def resolve_policy(c) -> Path:
-  if c.policy.checkpoint:
-    path = Path(c.policy.checkpoint)
+def resolve_policy(policy: PolicySection) -> Path:
+  """The policy's directory: policy.checkpoint, or the committed W1 policy's build."""
+  if policy.checkpoint:
+    path = Path(policy.checkpoint)
     if not path.is_dir():
       raise FileNotFoundError(f'config policy.checkpoint: {path} does not exist')
     return path
-  return ensure_default_policy(c.policy.cache_dir)
+  return ensure_default_policy(policy.cache_dir)
+
+
+def warm_start_plan(config: RunConfig, num_sequences: int, held_out: int) -> WarmStart:
+  """A learned proposer's warm start: the initial policy answers the first task prompts as
+  the rollouts will (their length and temperature)."""
+  return WarmStart(num_sequences=num_sequences, held_out=held_out,
+                   max_new_tokens=config.rollout.driver.max_new_tokens,
+                   temperature=config.rollout.sampler.temperature, seed=config.seed)
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  config: Any                 # the checked ml_collections config
+  config: RunConfig
   workdir: Path
   primary: bool               # process 0: writes metrics, the report and cached files
   policy: Policy
@@ -122,16 +74,15 @@ class Run:
     return (position + self.config.rollout.prompts_per_step) % len(self.tasks)
 
 
-def make_run(c, workdir) -> tuple[Run, TrainState]:
+def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
   """The run of config `c` in `workdir`, and the state it starts from: step 0, or the latest
   checkpoint there."""
-  check_config(c)
   if c.return_large_frees:
     return_large_frees_to_the_os()
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
-  policy_dir = distributed.primary_first('policy', lambda: resolve_policy(c))
+  policy_dir = distributed.primary_first('policy', lambda: resolve_policy(c.policy))
   policy = load_policy(policy_dir, dtype=c.policy.dtype,
                        compute_dtype=c.policy.compute_dtype)
   tasks = load_tasks(c.task.source, count=c.task.count, seed=c.seed,
@@ -142,17 +93,22 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
   # Encoded once: rollouts, the learner's width and warm-start data all use these ids.
   task_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in tasks]
   heads_dir = heads_config = heads = drafter = None
-  learned = (learned_proposer(parse_proposers(c.rollout.proposers))
-             if c.rollout.engine == 'specroll' else None)
+  learned = c.rollout.learned_proposer
   if learned == 'heads':
+    plan = warm_start_plan(c, c.heads.num_sequences, c.heads.held_out)
     heads_config, heads, heads_dir = distributed.primary_first(
-        'heads', lambda: warm_start_heads(policy, c, task_prompts, workdir, policy_dir))
+        'heads', lambda: warm_start_heads(policy, c.heads, plan, task_prompts, workdir,
+                                          policy_dir))
   elif learned == 'drafter':
+    plan = warm_start_plan(c, c.drafter.num_sequences, c.drafter.held_out)
     drafter, heads = distributed.primary_first(
-        'drafter', lambda: warm_start_run_drafter(policy, c, task_prompts, workdir, policy_dir))
-  mesh = make_mesh(build(MeshConfig, c.mesh, 'mesh'))
-  evaluation_config = build(EvaluationConfig, c.evaluation, 'evaluation')
-  held_out = held_out_tasks(evaluation_config, c, tasks) if evaluation_config.every else []
+        'drafter', lambda: warm_start_run_drafter(policy, c.drafter, plan, task_prompts,
+                                                  workdir, policy_dir))
+  mesh = make_mesh(c.mesh)
+  held_out = []
+  if c.evaluation.every:
+    held_out = held_out_tasks(c.evaluation, tasks, task_source=c.task.source,
+                              data_dir=c.task.data_dir, chat_template=c.task.chat_template)
   held_out_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in held_out]
   prompt_width = run_prompt_width(task_prompts + held_out_prompts)
   width = prompt_width + c.rollout.driver.max_new_tokens
@@ -161,19 +117,20 @@ def make_run(c, workdir) -> tuple[Run, TrainState]:
                          dict(mesh.shape))
   if primary:
     print(report.table(), file=sys.stderr)
-  rollouts = Rollouts(policy, c, heads_config, heads_dir, prompt_width, mesh,
-                      workdir / STEP_COSTS_FILE, drafter)
-  audit = Audit(policy, build(AuditConfig, c.audit, 'audit'), sampler_config(c),
-                rollouts.driver.config, c.rollout.group_size, mesh)
-  evaluation = HeldOutEvaluation(evaluation_config, policy, held_out, held_out_prompts,
-                                 sampler_config(c), rollouts.driver.config, c.task.reward, mesh)
+  rollouts = Rollouts(policy, c.rollout, make_proposer(policy, c, heads_config, heads_dir, drafter),
+                      prompt_width, mesh, workdir / STEP_COSTS_FILE)
+  audit = Audit(policy, c.audit, c.rollout.sampler, rollouts.driver.config,
+                c.rollout.group_size, mesh)
+  evaluation = HeldOutEvaluation(c.evaluation, policy, held_out, held_out_prompts,
+                                 c.rollout.sampler, rollouts.driver.config, c.task.reward, mesh)
   adaptation = None
   if learned == 'heads':
-    adaptation = HeadAdaptation(c, policy, heads_config, head_draft_config(c).branching,
+    adaptation = HeadAdaptation(c.adaptation, policy, heads_config, c.rollout.head_drafts.branching,
                                 rollouts.proposer)
   elif learned == 'drafter':
-    adaptation = DrafterAdaptation(c, policy, drafter, rollouts.proposer)
-  learner = Learner(c, policy, width, mesh)
+    adaptation = DrafterAdaptation(c.adaptation, c.drafter, policy, drafter, rollouts.proposer)
+  learner = Learner(c.grpo, policy, width, mesh, harvest_top_k=c.adaptation.harvest_top_k,
+                    drift_kl_every=c.metrics.drift_kl_every, seed=c.seed)
   state = learner.init_state(None if adaptation is None else adaptation.init_state(heads, mesh))
   checkpoints = ocp.CheckpointManager(
       (workdir / 'checkpoints').resolve(),

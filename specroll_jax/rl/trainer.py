@@ -17,12 +17,15 @@ from specroll_jax.rl.phases import PhaseTimer
 from specroll_jax.rl.report import write_report
 from specroll_jax.rl.rollouts import step_seed
 from specroll_jax.rl.run import Run, make_run
+from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.schedule import due
 from specroll_jax.rl.scoring import scored
 
 
 def train(c, workdir) -> dict:
-  """Runs (or resumes) GRPO per config `c` in `workdir`; returns the last step's metrics."""
+  """Runs (or resumes) GRPO per the ml_collections config `c` (configs/tiny_math.py's
+  shape) in `workdir`; returns the last step's metrics."""
+  c = run_config(c)
   run, state = make_run(c, workdir)
   metrics = {}
   with tqdm(total=c.steps, initial=int(state.step), desc='grpo', file=sys.stderr,

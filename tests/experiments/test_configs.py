@@ -1,12 +1,16 @@
 """Every shipped config loads and is consistent with what the trainer will build."""
+import dataclasses
+
 import pytest
 
-from configs import (bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper, smol_grpo,
-                     tiny_math)
+from configs import (bench_w1, bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper,
+                     smol_grpo, tiny_math)
 from configs.tiny_math import get_config
-from specroll_jax.rl.run import check_config
+from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.trainer import train
+from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.tasks.data import load_dataset
+from experiments.common import trainer_part
 from experiments.workloads import ENGINE_NAMES, drafter_config, warm_started_drafts
 from tests.conftest import FIXTURE_DATA
 
@@ -20,7 +24,7 @@ def test_training_configs_are_consistent(config):
   rows = config.rollout.prompts_per_step * config.rollout.group_size
   assert rows % config.grpo.micro_batch_size == 0
   assert config.rollout.driver.max_batch % 8 == 0
-  check_config(config)  # every section builds its dataclass: clip ranges, lr, modes, ...
+  run_config(config)  # every section builds its dataclass: clip ranges, lr, modes, ...
   if not config.task.source.startswith('synthetic:'):
     assert load_dataset(config.task.source, FIXTURE_DATA).examples
 
@@ -34,19 +38,33 @@ def test_bad_sections_fail_before_any_policy_is_loaded(tmp_path):
   c = get_config()
   c.adaptation.reflex.step_sise = 2.0
   with pytest.raises(ValueError, match=r"adaptation.reflex: unknown field\(s\) \['step_sise'\]"):
-    check_config(c)
+    run_config(c)
   c = get_config()
   c.task.reward = 'loose'
   with pytest.raises(ValueError, match="task.reward must be one of"):
-    check_config(c)
+    run_config(c)
   c = get_config()
   c.evaluation.samples = 0
   with pytest.raises(ValueError, match='evaluation: every must be >= 0'):
-    check_config(c)
+    run_config(c)
   c = get_config()
   c.grpo.clip_epsilon_low = 1.5
   with pytest.raises(ValueError, match='clip_epsilon_low must be in'):
-    check_config(c)
+    run_config(c)
+  c = get_config()
+  c.stpes = 3
+  with pytest.raises(ValueError, match=r"config \(top level\): unknown field\(s\) \['stpes'\]"):
+    run_config(c)
+
+
+def test_run_config_is_typed_and_benchmarks_hand_the_trainer_its_part():
+  config = run_config(get_config())
+  assert isinstance(config.rollout.sampler, SamplerConfig)
+  assert config.grpo.group_size == config.rollout.group_size  # derived once, at the edge
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.rollout.engine = 'vanilla'
+  bench = bench_w1.get_config()
+  assert bench.out_dir and run_config(trainer_part(bench)).steps == bench.steps
 
 
 def test_paper_config_rejects_unknown_names():
@@ -66,29 +84,29 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   assert c.rollout.proposers == 'heads,group'  # group drafts are on in the GRPO default
   c.rollout.proposers = 'heads,suffix'
   with pytest.raises(ValueError, match="subset of heads, drafter, group"):
-    check_config(c)
+    run_config(c)
   c = get_config()
   c.rollout.proposers = 'group'  # no heads to adapt
   with pytest.raises(ValueError, match="adapts heads or a drafter"):
-    check_config(c)
+    run_config(c)
   c.rollout.proposers = 'heads,drafter,group'
   with pytest.raises(ValueError, match="one learned proposer per rollout"):
-    check_config(c)
+    run_config(c)
   c.rollout.proposers = 'drafter,group'
-  check_config(c)  # the slow path adapts the drafter's block
+  run_config(c)  # the slow path adapts the drafter's block
   c.adaptation.mode = 'both'
   with pytest.raises(ValueError, match="does not apply to the drafter"):
-    check_config(c)
+    run_config(c)
   c.adaptation.mode = 'slow'
   c.drafter.branching = (2, 2, 2, 2, 2)
   with pytest.raises(ValueError, match=r"drafter.branching=.*at most drafter.model.depth=4"):
-    check_config(c)
+    run_config(c)
   c.rollout.proposers = 'group'
   c.adaptation.mode = 'static'
-  check_config(c)
+  run_config(c)
   c.rollout.group.min_match = 0
   with pytest.raises(ValueError, match='min_match must be >= 1'):
-    check_config(c)
+    run_config(c)
 
 
 def test_drafts_config_builds_its_proposers_and_cells():
