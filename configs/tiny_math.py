@@ -63,7 +63,7 @@ def get_config():
   c.rollout = ml_collections.ConfigDict(dict(
       engine='specroll', prompts_per_step=16, group_size=8, tree_attention='xla',
       speculation_gate=True,
-      # Drafting sources (speculative.factory.PROPOSERS): the heads and the GRPO group's
+      # Drafting sources (rl.learned_proposers.PROPOSERS): the heads and the GRPO group's
       # continuations, merged into one tree.
       proposers='heads,group',
       sampler=section(SamplerConfig),

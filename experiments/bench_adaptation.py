@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from experiments.common import run_fresh, totals
 from specroll_jax.rl.resources import restart_with_large_frees_returned
-from specroll_jax.speculative.factory import learned_proposer, parse_proposers
+from specroll_jax.rl.learned_proposers import learned_kind_name, parse_proposers
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -33,7 +33,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/ablation_w1.py')
 
 def learned_directory(c) -> str:
   """Where a run keeps its warm-started heads ('heads') or drafter ('drafter')."""
-  return learned_proposer(parse_proposers(c.rollout.proposers))
+  return learned_kind_name(parse_proposers(c.rollout.proposers))
 
 
 def run_variant(c, name: str, heads_source: Path | None) -> list[dict]:

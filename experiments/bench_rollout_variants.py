@@ -22,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
+from specroll_jax.rl.adaptation import WarmStarted
 from specroll_jax.rl.rollouts import Rollouts, make_proposer, run_prompt_width
 from specroll_jax.rl.run import resolve_policy
 from specroll_jax.rl.run_config import run_config
@@ -61,7 +62,8 @@ def main(argv):
       c.rollout.update(overrides)
       config = run_config(c)
       rollouts = Rollouts(policy, config.rollout,
-                          make_proposer(policy, config, heads_config, Path(_HEADS.value), None),
+                          make_proposer(policy, config,
+                                        WarmStarted(heads_config, heads, Path(_HEADS.value))),
                           run_prompt_width(task_prompts), None, Path(prices) / f'{len(runs)}.json')
       rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
       runs[name] = rollouts

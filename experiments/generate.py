@@ -15,11 +15,12 @@ from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_ato
 from specroll_jax import load_policy
 from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
+from specroll_jax.rl.learned_proposers import parse_proposers
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import load_drafter
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.factory import (ENGINES, head_proposer, make_engine, parse_proposers,
+from specroll_jax.speculative.factory import (ENGINES, head_proposer, make_engine,
                                        tree_config, with_group_drafts)
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.head_proposer import HeadDraftConfig

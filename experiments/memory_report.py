@@ -21,7 +21,7 @@ from specroll_jax.model.config import config_from_hf, load_config
 from specroll_jax.model.mesh import AXES
 from specroll_jax.rl import memory
 from specroll_jax.rl.run_config import run_config
-from specroll_jax.speculative.heads import HeadsConfig
+from specroll_jax.rl.learned_proposers import KINDS
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 flags.DEFINE_integer('devices', 8, 'Devices the run will have (all processes together).')
@@ -52,9 +52,11 @@ def main(argv):
   shape = dict(zip(AXES, run.mesh.shape(FLAGS.devices)))
   width = FLAGS.prompt_width + run.rollout.driver.max_new_tokens
   learned = run.rollout.learned_proposer
-  heads = HeadsConfig(run.heads.num_heads) if learned == 'heads' else None
-  drafter = run.drafter.model if learned == 'drafter' else None
-  report = memory.report(config, memory.Workload.from_config(run, width, heads, drafter), shape)
+  proposer = None
+  if learned is not None:
+    kind = KINDS[learned]
+    proposer = kind.memory(config, kind.static_config(run))
+  report = memory.report(config, memory.Workload.from_config(run, width, proposer), shape)
   print(report.table())
   if FLAGS.out:
     Path(FLAGS.out).write_text(json.dumps({'mesh': report.mesh, 'parts': dict(report.parts),

@@ -42,7 +42,7 @@ class ConsolidationConfig:
   # always-online baseline gains from, and cost half again as much) keeps every update whose
   # parameters stay finite.
   rollback: bool = False
-  # Carry Adam's moments from one update to the next (HeadsState.opt_state) instead of
+  # Carry Adam's moments from one update to the next (ProposerState.opt_state) instead of
   # starting each update from fresh ones (W1, always-online: tau_last20 3.065 vs 3.030).
   persistent_optimizer: bool = True
 

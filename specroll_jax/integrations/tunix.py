@@ -35,8 +35,8 @@ from specroll_jax.rl.grpo import token_logprobs
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.response import FINISH_EOS
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import (ENGINES, learned_proposer, make_engine,
-                                              parse_proposers, with_group_drafts)
+from specroll_jax.rl.learned_proposers import learned_kind_name, parse_proposers
+from specroll_jax.speculative.factory import ENGINES, make_engine, with_group_drafts
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.tree import TreeConfig
 
@@ -127,7 +127,7 @@ class EngineSettings:
   def __post_init__(self):
     if self.engine not in ENGINES:
       raise ValueError(f'engine must be one of {ENGINES}, got {self.engine!r}')
-    if self.engine == 'specroll' and learned_proposer(parse_proposers(self.proposers)):
+    if self.engine == 'specroll' and learned_kind_name(parse_proposers(self.proposers)):
       raise ValueError('SpecRollRollout drafts with group drafts (proposers="group"): heads '
                        'and the drafter need a warm start on the policy, which tunix does not '
                        'give an engine')

@@ -1,39 +1,73 @@
-"""The sequential drafter in a GRPO run: its warm start, and its slow path.
+"""The sequential drafter as a run's learned proposer: its warm start, its spine, and its
+slow path.
 
 The monitor watches the drafter's depths as it watches heads (acceptance and regret per
 depth along the spine); any triggered depth trains the whole block, which every depth
 shares (adapt/drafter_consolidation.py). The monitor then counts the update for the
 triggered depths only, though the others' drafts changed too: a depth that did not trigger
 keeps its baseline and goes on being judged against it. Reflex does not apply to the
-drafter (speculative/drafter_proposer.py says why; run_config refuses it).
+drafter (speculative/drafter_proposer.py says why).
 """
+from __future__ import annotations
+
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specroll_jax.adapt import drafter_consolidation
-from specroll_jax.adapt.distill import WarmStart
 from specroll_jax.adapt.drafter_training import warm_start_drafter
-from specroll_jax.model.policy import Policy
-from specroll_jax.rl.head_adaptation import Adaptation, HeadsState
-from specroll_jax.rl.run_config import AdaptationSection, DrafterSection
+from specroll_jax.rl.adaptation import (Adaptation, LearnedProposerKind, ProposerMemory,
+                                        ProposerState, WarmStarted)
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterParams, has_drafter,
-                                              load_drafter)
+                                              init_drafter, load_drafter)
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
+
+if TYPE_CHECKING:
+  from specroll_jax.model.config import ModelConfig
+  from specroll_jax.model.policy import Policy
+  from specroll_jax.rl.run_config import AdaptationSection, DrafterSection, RunConfig
 
 
-def warm_start_run_drafter(policy: Policy, d: DrafterSection, plan: WarmStart, task_prompts,
-                           workdir: Path, source: Path):
-  """A drafter self-distilled on the initial policy's own answers to the task prompts (token
-  ids; cached in workdir/drafter); returns (config, params)."""
-  directory = workdir / 'drafter'
-  if not has_drafter(directory):
-    print(f'warm-starting a drafter into {directory}', file=sys.stderr)
-    warm_start_drafter(policy, d.model, d.training, task_prompts[:d.num_sequences + d.held_out],
-                       plan, directory, str(source))
-  return load_drafter(directory, policy.config)
+class DrafterKind(LearnedProposerKind):
+  """config.drafter: the block, its warm start and its spine's branching."""
+
+  def check(self, config: RunConfig) -> None:
+    config.drafter.check_branching()
+
+  def static_config(self, config: RunConfig) -> DrafterConfig:
+    return config.drafter.model
+
+  def warm_start(self, policy: Policy, config: RunConfig, task_prompts, workdir: Path,
+                 source: Path) -> WarmStarted:
+    d, directory = config.drafter, workdir / 'drafter'
+    if not has_drafter(directory):
+      print(f'warm-starting a drafter into {directory}', file=sys.stderr)
+      warm_start_drafter(policy, d.model, d.training,
+                         task_prompts[:d.num_sequences + d.held_out],
+                         config.warm_start_plan(d.num_sequences, d.held_out), directory,
+                         str(source))
+    drafter_config, params = load_drafter(directory, policy.config)
+    return WarmStarted(drafter_config, params, directory)
+
+  def proposer(self, policy: Policy, config: RunConfig, warm: WarmStarted):
+    return DrafterProposer(policy.config, warm.config, spine_paths(config.drafter.branching),
+                           config.rollout.sampler)
+
+  def adaptation(self, policy: Policy, config: RunConfig, warm: WarmStarted,
+                 proposer) -> DrafterAdaptation:
+    return DrafterAdaptation(config.adaptation, config.drafter, policy, warm.config, proposer)
+
+  def memory(self, model_config: ModelConfig, static_config: DrafterConfig) -> ProposerMemory:
+    shapes = jax.eval_shape(lambda: init_drafter(
+        static_config, model_config,
+        jnp.zeros(static_config.vocab_size(model_config), jnp.int32)).weights)
+    # Replicated (DrafterAdaptation.init_state).
+    return ProposerMemory('drafter block + its optimizer', shapes, ())
 
 
 class DrafterAdaptation(Adaptation):
@@ -45,18 +79,18 @@ class DrafterAdaptation(Adaptation):
     self.policy_config, self.drafter_config = policy.config, config
     self.training = drafter.training
 
-  def init_state(self, params: DrafterParams, mesh) -> HeadsState:
+  def init_state(self, params: DrafterParams, mesh) -> ProposerState:
     # A few MiB (SmolLM2: 2.0 M parameters): a copy on every device.
     params = jax.device_put(params, NamedSharding(mesh, P()))
     opt_state = jax.device_put(
         drafter_consolidation.init_optimizer_state(self.consolidation_config, params),
         NamedSharding(mesh, P()))
-    return HeadsState(params=params, opt_state=opt_state, monitor=self.init_monitor())
+    return ProposerState(params=params, opt_state=opt_state, monitor=self.init_monitor())
 
-  def train(self, heads: HeadsState, triggered, policy_params, pairs, groups, seed):
+  def train(self, state: ProposerState, triggered, policy_params, pairs, groups, seed):
     result = drafter_consolidation.consolidate(
         self.drafter_config, self.policy_config, self.training, self.consolidation_config,
-        heads.params, heads.opt_state, policy_params, pairs, seed, groups=groups)
+        state.params, state.opt_state, policy_params, pairs, seed, groups=groups)
     metrics = {'drafter_loss': round(result.loss, 4)}
     if result.loss_before is not None:
       metrics.update(drafter_loss_before=result.loss_before.round(4).tolist(),

@@ -16,7 +16,7 @@ from specroll_jax.model.mesh import (optimizer_sharding, param_sharding, put_row
                                      to_host)
 from specroll_jax.model.policy import Policy
 from specroll_jax.rl import grpo, lora
-from specroll_jax.rl.head_adaptation import HeadsState
+from specroll_jax.rl.adaptation import ProposerState
 
 
 @struct.dataclass
@@ -26,7 +26,7 @@ class TrainState:
   opt_state: Any             # of the policy, or of the adapters
   step: int
   data_position: int         # index of the next task in the (cycled) task list
-  heads: HeadsState | None   # None when rollouts are vanilla
+  heads: ProposerState | None  # the learned proposer's; None when none drafts
   adapters: dict | None = None  # LoRA adapters (grpo.lora_rank > 0)
 
 
@@ -54,7 +54,7 @@ class Learner:
     self.keeps_initial_policy = self.reference is not None or drift_kl_every > 0
     self.seed = seed
 
-  def init_state(self, heads: HeadsState | None) -> TrainState:
+  def init_state(self, heads: ProposerState | None) -> TrainState:
     adapters = None
     if self.config.lora_rank:
       adapters = shard_params(self.mesh, lora.init_adapters(

@@ -19,14 +19,13 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.model.mesh import (AXES, HEAD_RULES, PARAM_RULES, ROWS, axis_size,
+from specroll_jax.model.mesh import (AXES, PARAM_RULES, ROWS, axis_size,
                                      cache_layer_spec, rule_specs)
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.model.vocab_chunks import rows_per_chunk
 from specroll_jax.rl import grpo, lora
+from specroll_jax.rl.adaptation import ProposerMemory
 from specroll_jax.rl.run_config import RunConfig
-from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
-from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
 
 GIB = 2 ** 30
 
@@ -39,20 +38,19 @@ class Workload:
   learner_width: int      # tokens per learner row
   lora_rank: int = 0
   lora_targets: str = lora.DEFAULT_TARGETS
-  heads: HeadsConfig | None = None
-  drafter: DrafterConfig | None = None
+  proposer: ProposerMemory | None = None  # the learned proposer's part
   stream_logits: bool = False  # grpo.stream_logits
   scored_width: int = 0        # positions per row the loss projects (grpo.score_span; 0 = all)
 
   @classmethod
-  def from_config(cls, config: RunConfig, width: int, heads: HeadsConfig | None,
-                  drafter: DrafterConfig | None = None) -> 'Workload':
+  def from_config(cls, config: RunConfig, width: int,
+                  proposer: ProposerMemory | None) -> 'Workload':
     """The workload of a run at learner width `width`."""
     g = config.grpo
     return cls(rollout_rows=config.rollout.driver.max_batch, cache_length=width,
                micro_batch_rows=g.micro_batch_size, learner_width=width,
-               lora_rank=g.lora_rank, lora_targets=g.lora_targets, heads=heads,
-               drafter=drafter, stream_logits=g.stream_logits, scored_width=g.score_span)
+               lora_rank=g.lora_rank, lora_targets=g.lora_targets, proposer=proposer,
+               stream_logits=g.stream_logits, scored_width=g.score_span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +125,10 @@ def report(config: ModelConfig, workload: Workload, mesh: dict) -> MemoryReport:
   parts.append(('gradients (float32 accumulator)',
                 _shard_bytes(mesh, trained, PARAM_RULES, np.float32)))
   parts.append(('optimizer (AdamW moments)', _optimizer_bytes(mesh, trained)))
-  if workload.heads is not None:
-    heads = jax.eval_shape(lambda: HorizonHeads(workload.heads, config).init(
-        jax.random.key(0), jnp.zeros((1, config.hidden_size)))['params'])
+  if workload.proposer is not None:
+    p = workload.proposer
     # The slow path's AdamW moments exist while it consolidates.
-    parts.append(('heads + their optimizer', 3 * _shard_bytes(mesh, heads, HEAD_RULES)))
-  if workload.drafter is not None:
-    block = jax.eval_shape(lambda: init_drafter(
-        workload.drafter, config, jnp.zeros(workload.drafter.vocab_size(config), jnp.int32)
-    ).weights)
-    # Replicated (rl/drafter_adaptation.py), with its AdamW moments.
-    parts.append(('drafter block + its optimizer', 3 * _shard_bytes(mesh, block, ())))
+    parts.append((p.label, p.copies * _shard_bytes(mesh, p.shapes, p.rules)))
   layer = jax.ShapeDtypeStruct((workload.rollout_rows, config.num_kv_heads,
                                  workload.cache_length, config.head_dim), config.cache_dtype)
   cache = 2 * config.num_layers * _piece_bytes(mesh, layer, cache_layer_spec(mesh, layer.shape))

@@ -13,35 +13,25 @@ from pathlib import Path
 
 import numpy as np
 
-from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.model.policy import Policy
 from specroll_jax.rl import distributed
+from specroll_jax.rl.adaptation import WarmStarted
+from specroll_jax.rl.learned_proposers import KINDS, learned_kind_name, parse_proposers
 from specroll_jax.rl.run_config import RolloutSection, RunConfig
 from specroll_jax.rollout.driver import Driver
-from specroll_jax.speculative.drafter import DrafterConfig
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.factory import (head_proposer, make_engine, parse_proposers,
-                                              tree_config, with_group_drafts)
-from specroll_jax.speculative.heads import HeadsConfig
+from specroll_jax.speculative.factory import make_engine, tree_config, with_group_drafts
 from specroll_jax.speculative.step_cost import with_measured_step_costs
 
 
-def make_proposer(policy: Policy, config: RunConfig, heads_config: HeadsConfig | None,
-                  heads_dir: Path | None, drafter: DrafterConfig | None):
-  """The rollouts' proposer: the learned one (static or Reflex-corrected heads, or the
-  drafter) merged with group drafts as rollout.proposers says; None for vanilla."""
+def make_proposer(policy: Policy, config: RunConfig, warm: WarmStarted | None):
+  """The rollouts' proposer: the learned kind's (warm-started as `warm`) merged with group
+  drafts as rollout.proposers says; None for vanilla."""
   r = config.rollout
   if r.engine != 'specroll':
     return None
   names = parse_proposers(r.proposers)
-  proposer = None
-  if 'heads' in names:
-    proposer = head_proposer(policy, heads_config, heads_dir, r.sampler, r.head_drafts)
-    if config.adaptation.mode in ('reflex', 'both'):
-      proposer = ReflexProposer(proposer, config.adaptation.reflex)
-  elif 'drafter' in names:
-    proposer = DrafterProposer(policy.config, drafter, spine_paths(config.drafter.branching),
-                               r.sampler)
+  learned = learned_kind_name(names)
+  proposer = None if learned is None else KINDS[learned].proposer(policy, config, warm)
   return with_group_drafts(proposer, names, r.group)
 
 
@@ -99,10 +89,10 @@ class Rollouts:
     self.driver = Driver(self.engine, dataclasses.replace(config.driver,
                                                           prompt_bucket_min=prompt_width))
 
-  def generate(self, policy_params, heads, prompts, seed):
-    """Responses to `prompts` x group_size; `heads` is the learned proposer's HeadsState
-    (None: none drafts)."""
-    params = self.engine.params(policy_params, heads and heads.params)
+  def generate(self, policy_params, proposer_state, prompts, seed):
+    """Responses to `prompts` x group_size; `proposer_state` is the learned proposer's
+    ProposerState (None: none drafts)."""
+    params = self.engine.params(policy_params, proposer_state and proposer_state.params)
     if self.unpriced:
       self._price_gate(params, prompts)
       self.unpriced = False

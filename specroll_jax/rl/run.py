@@ -11,14 +11,13 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from specroll_jax.adapt.distill import WarmStart
 from specroll_jax.model.mesh import make_mesh
 from specroll_jax.model.policy import Policy, load_policy
 from specroll_jax.rl import distributed, memory
 from specroll_jax.rl.audit import Audit
 from specroll_jax.rl.evaluation import HeldOutEvaluation, held_out_tasks
-from specroll_jax.rl.drafter_adaptation import DrafterAdaptation, warm_start_run_drafter
-from specroll_jax.rl.head_adaptation import Adaptation, HeadAdaptation, warm_start_heads
+from specroll_jax.rl.adaptation import Adaptation
+from specroll_jax.rl.learned_proposers import KINDS
 from specroll_jax.rl.learner import Learner, TrainState
 from specroll_jax.rl.metrics import METRICS_FILE, MetricsLog
 from specroll_jax.rl.resources import return_large_frees_to_the_os
@@ -40,14 +39,6 @@ def resolve_policy(policy: PolicySection) -> Path:
   return ensure_default_policy(policy.cache_dir)
 
 
-def warm_start_plan(config: RunConfig, num_sequences: int, held_out: int) -> WarmStart:
-  """A learned proposer's warm start: the initial policy answers the first task prompts as
-  the rollouts will (their length and temperature)."""
-  return WarmStart(num_sequences=num_sequences, held_out=held_out,
-                   max_new_tokens=config.rollout.driver.max_new_tokens,
-                   temperature=config.rollout.sampler.temperature, seed=config.seed)
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
   config: RunConfig
@@ -59,7 +50,7 @@ class Run:
   rollouts: Rollouts
   audit: Audit
   evaluation: HeldOutEvaluation      # held-out prompts, never trained on
-  adaptation: Adaptation | None      # of the heads or the drafter; None when neither drafts
+  adaptation: Adaptation | None      # of the learned proposer; None when none drafts
   learner: Learner
   checkpoints: ocp.CheckpointManager
   metrics: MetricsLog
@@ -92,18 +83,10 @@ def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
     raise ValueError(f'config task.source={c.task.source!r} yielded no prompts')
   # Encoded once: rollouts, the learner's width and warm-start data all use these ids.
   task_prompts = [policy.prompt_ids(t.prompt, c.task.chat_template) for t in tasks]
-  heads_dir = heads_config = heads = drafter = None
   learned = c.rollout.learned_proposer
-  if learned == 'heads':
-    plan = warm_start_plan(c, c.heads.num_sequences, c.heads.held_out)
-    heads_config, heads, heads_dir = distributed.primary_first(
-        'heads', lambda: warm_start_heads(policy, c.heads, plan, task_prompts, workdir,
-                                          policy_dir))
-  elif learned == 'drafter':
-    plan = warm_start_plan(c, c.drafter.num_sequences, c.drafter.held_out)
-    drafter, heads = distributed.primary_first(
-        'drafter', lambda: warm_start_run_drafter(policy, c.drafter, plan, task_prompts,
-                                                  workdir, policy_dir))
+  kind = KINDS[learned] if learned else None
+  warm = None if kind is None else distributed.primary_first(
+      learned, lambda: kind.warm_start(policy, c, task_prompts, workdir, policy_dir))
   mesh = make_mesh(c.mesh)
   held_out = []
   if c.evaluation.every:
@@ -113,25 +96,22 @@ def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
   prompt_width = run_prompt_width(task_prompts + held_out_prompts)
   width = prompt_width + c.rollout.driver.max_new_tokens
   report = memory.report(policy.config,
-                         memory.Workload.from_config(c, width, heads_config, drafter),
+                         memory.Workload.from_config(
+                             c, width, kind and kind.memory(policy.config, warm.config)),
                          dict(mesh.shape))
   if primary:
     print(report.table(), file=sys.stderr)
-  rollouts = Rollouts(policy, c.rollout, make_proposer(policy, c, heads_config, heads_dir, drafter),
-                      prompt_width, mesh, workdir / STEP_COSTS_FILE)
+  rollouts = Rollouts(policy, c.rollout, make_proposer(policy, c, warm), prompt_width, mesh,
+                      workdir / STEP_COSTS_FILE)
   audit = Audit(policy, c.audit, c.rollout.sampler, rollouts.driver.config,
                 c.rollout.group_size, mesh)
   evaluation = HeldOutEvaluation(c.evaluation, policy, held_out, held_out_prompts,
                                  c.rollout.sampler, rollouts.driver.config, c.task.reward, mesh)
-  adaptation = None
-  if learned == 'heads':
-    adaptation = HeadAdaptation(c.adaptation, policy, heads_config, c.rollout.head_drafts.branching,
-                                rollouts.proposer)
-  elif learned == 'drafter':
-    adaptation = DrafterAdaptation(c.adaptation, c.drafter, policy, drafter, rollouts.proposer)
+  adaptation = None if kind is None else kind.adaptation(policy, c, warm, rollouts.proposer)
   learner = Learner(c.grpo, policy, width, mesh, harvest_top_k=c.adaptation.harvest_top_k,
                     drift_kl_every=c.metrics.drift_kl_every, seed=c.seed)
-  state = learner.init_state(None if adaptation is None else adaptation.init_state(heads, mesh))
+  state = learner.init_state(None if adaptation is None
+                             else adaptation.init_state(warm.params, mesh))
   checkpoints = ocp.CheckpointManager(
       (workdir / 'checkpoints').resolve(),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1))

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 
 from specroll_jax.adapt.consolidation import ConsolidationConfig
+from specroll_jax.adapt.distill import WarmStart
 from specroll_jax.adapt.drafter_training import DrafterTraining
 from specroll_jax.adapt.monitor import MonitorConfig
 from specroll_jax.adapt.reflex import ReflexConfig
@@ -19,11 +20,12 @@ from specroll_jax.model.mesh import AXES, ROWS, MeshConfig, axis_size
 from specroll_jax.rl.audit import AuditConfig
 from specroll_jax.rl.evaluation import EvaluationConfig
 from specroll_jax.rl.grpo import GRPOConfig
+from specroll_jax.rl.learned_proposers import KINDS, learned_kind_name, parse_proposers
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import DrafterConfig
-from specroll_jax.speculative.factory import ENGINES, learned_proposer, parse_proposers
+from specroll_jax.speculative.factory import ENGINES
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
@@ -82,7 +84,7 @@ class RolloutSection:
   group_size: int
   tree_attention: str         # 'xla' or 'pallas'
   speculation_gate: bool      # a plain step wherever a tree is not expected to pay
-  proposers: str              # speculative.factory.PROPOSERS, comma-separated
+  proposers: str              # rl.learned_proposers.PROPOSERS, comma-separated
   sampler: SamplerConfig
   driver: RolloutConfig       # its DRIVER_DERIVED fields are set per run
   tree: TreeSection
@@ -97,10 +99,10 @@ class RolloutSection:
 
   @property
   def learned_proposer(self) -> str | None:
-    """'heads' or 'drafter' when the rollouts draft with one, else None."""
+    """The learned kind the rollouts draft with (rl/learned_proposers.py), else None."""
     if self.engine != 'specroll':
       return None
-    return learned_proposer(parse_proposers(self.proposers))
+    return learned_kind_name(parse_proposers(self.proposers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +181,13 @@ class RunConfig:
   audit: AuditConfig
   grpo: GRPOConfig            # with the rollout's group size, temperature and scored span
 
+  def warm_start_plan(self, num_sequences: int, held_out: int) -> WarmStart:
+    """A learned proposer's warm start: the initial policy answers the first task prompts
+    as the rollouts will (their length and temperature)."""
+    return WarmStart(num_sequences=num_sequences, held_out=held_out,
+                     max_new_tokens=self.rollout.driver.max_new_tokens,
+                     temperature=self.rollout.sampler.temperature, seed=self.seed)
+
 
 def _nested(cls, config_section, name: str, **sections):
   """`cls` from a section whose keys `sections` are built already (subsections)."""
@@ -236,17 +245,17 @@ def _check_across_sections(config: RunConfig, num_devices: int) -> None:
   # Checked on the proposers whatever the engine: a vanilla baseline of a run keeps its
   # adaptation section (and ignores it).
   mode = config.adaptation.mode
-  learned = learned_proposer(parse_proposers(config.rollout.proposers))
+  learned = learned_kind_name(parse_proposers(config.rollout.proposers))
   if learned is None and mode != 'static':
     raise ValueError(f'config adaptation.mode={mode!r} adapts heads or a drafter, but '
                      f'rollout.proposers={config.rollout.proposers!r} has neither (use '
                      'mode=static)')
-  if learned == 'drafter':
-    if mode in ('reflex', 'both'):
-      raise ValueError(f'config adaptation.mode={mode!r}: Reflex corrects horizon heads and '
-                       'does not apply to the drafter (speculative/drafter_proposer.py); use '
-                       'static, slow or online')
-    config.drafter.check_branching()
+  if learned is not None:
+    if mode in ('reflex', 'both') and not KINDS[learned].supports_reflex:
+      raise ValueError(f'config adaptation.mode={mode!r}: Reflex corrects horizon heads\' '
+                       f'hidden states and does not apply to the {learned}; use static, slow '
+                       'or online')
+    KINDS[learned].check(config)
   rows_split = axis_size(dict(zip(AXES, config.mesh.shape(num_devices))), ROWS)
   for name, value in (('rollout.driver.max_batch', config.rollout.driver.max_batch),
                       ('grpo.micro_batch_size', config.grpo.micro_batch_size)):

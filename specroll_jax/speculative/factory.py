@@ -14,34 +14,11 @@ from specroll_jax.speculative.heads import HeadsConfig, heads_metadata
 from specroll_jax.speculative.tree import TreeConfig
 
 ENGINES = ('vanilla', 'specroll')
-# Drafting sources a speculative rollout can combine (rollout.proposers): one learned
-# proposer, the horizon heads or the sequential drafter (speculative/drafter_proposer.py), and
-# continuations found in the GRPO group (speculative/group_proposer.py).
-PROPOSERS = ('heads', 'drafter', 'group')
-LEARNED = ('heads', 'drafter')
-
-
-def parse_proposers(names: str) -> tuple:
-  """'heads', 'drafter', 'group', 'heads,group' or 'drafter,group' -> PROPOSERS names."""
-  chosen = tuple(n.strip() for n in names.split(',') if n.strip())
-  unknown = [n for n in chosen if n not in PROPOSERS]
-  if not chosen or unknown or len(set(chosen)) != len(chosen):
-    raise ValueError(f'proposers must be a comma-separated subset of {", ".join(PROPOSERS)}, '
-                     f'each once; got {names!r}')
-  if set(LEARNED) <= set(chosen):
-    raise ValueError(f'proposers {names!r}: one learned proposer per rollout, heads or drafter '
-                     '(their trees would compete for the same nodes)')
-  return chosen
-
-
-def learned_proposer(names: tuple) -> str | None:
-  """'heads' or 'drafter' when `names` has one, else None (group drafts alone)."""
-  return next((n for n in names if n in LEARNED), None)
 
 
 def with_group_drafts(learned, names: tuple, group: GroupDraftConfig):
-  """The proposer for `names`: the learned one (heads, static or Reflex, or the drafter),
-  group drafts merged with it, or group drafts alone."""
+  """The proposer for the parsed rollout.proposers `names` (rl/learned_proposers.py): the
+  learned one, group drafts merged with it, or group drafts alone."""
   if 'group' not in names:
     return learned
   return GroupProposer(group, base=learned)

@@ -13,6 +13,7 @@ from specroll_jax.model.config import config_from_hf
 from specroll_jax.model.mesh import (MeshConfig, make_mesh, optimizer_sharding, param_sharding,
                                      put_rows)
 from specroll_jax.rl import grpo, lora, memory
+from specroll_jax.rl.drafter_adaptation import DrafterKind
 from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 
 CONFIG = grpo.GRPOConfig(group_size=4, micro_batch_size=8, learning_rate=1e-3)
@@ -94,7 +95,7 @@ def test_memory_report_matches_the_devices_pieces(stories_policy):
                           for s in x.addressable_shards if s.device == device)
   drafter = DrafterConfig()
   workload = memory.Workload(rollout_rows=16, cache_length=64, micro_batch_rows=8,
-                             learner_width=64, drafter=drafter)
+                             learner_width=64, proposer=DrafterKind().memory(config, drafter))
   parts = dict(memory.report(config, workload, dict(mesh.shape)).parts)
   assert parts['parameters'] == held(params)
   # A whole copy of the block on every device, and two Adam moments like it.

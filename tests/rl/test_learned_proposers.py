@@ -1,0 +1,62 @@
+"""The learned-proposer registry: every kind implements the whole interface, and the run's
+proposer, adaptation state and memory part come from it for any kind (stories260K, fresh
+parameters in place of a warm start, which the trainer tests run)."""
+import numpy as np
+import pytest
+
+from configs.tiny_math import get_config
+from specroll_jax.model.mesh import MeshConfig, make_mesh
+from specroll_jax.rl.adaptation import ProposerState, WarmStarted
+from specroll_jax.rl.learned_proposers import KINDS, PROPOSERS, parse_proposers
+from specroll_jax.rl.rollouts import make_proposer
+from specroll_jax.rl.run_config import run_config
+from specroll_jax.speculative.drafter import init_drafter, save_drafter
+from specroll_jax.speculative.group_proposer import GroupProposer
+from specroll_jax.speculative.heads import init_heads, save_heads
+
+
+def _config(kind: str, mode: str):
+  c = get_config()
+  c.rollout.proposers, c.adaptation.mode, c.mesh.data = f'{kind},group', mode, 1
+  return run_config(c)
+
+
+def _fresh(kind: str, config, policy, directory) -> WarmStarted:
+  """Fresh parameters, saved where a warm start caches them (without its metadata)."""
+  static = KINDS[kind].static_config(config)
+  if kind == 'heads':
+    params = init_heads(static, policy.config)
+    save_heads(directory, static, params)
+  else:
+    params = init_drafter(static, policy.config, np.arange(policy.config.vocab_size))
+    save_drafter(directory, static, params)
+  return WarmStarted(static, params, directory)
+
+
+def test_the_registry_names_every_kind_and_group_drafts():
+  assert PROPOSERS == (*KINDS, 'group')
+  for kind in KINDS:
+    assert parse_proposers(f'{kind},group') == (kind, 'group')
+
+
+@pytest.mark.parametrize('kind', sorted(KINDS))
+def test_each_kind_builds_the_runs_proposer_state_and_memory(kind, stories_policy, tmp_path):
+  config = _config(kind, 'slow')
+  warm = _fresh(kind, config, stories_policy, tmp_path)
+  proposer = make_proposer(stories_policy, config, warm)
+  assert isinstance(proposer, GroupProposer)  # merged with group drafts, as configured
+  adaptation = KINDS[kind].adaptation(stories_policy, config, warm, proposer)
+  state = adaptation.init_state(warm.params, make_mesh(MeshConfig(data=1)))
+  assert isinstance(state, ProposerState)
+  assert adaptation.harvests and len(adaptation.branching) >= 1
+  part = KINDS[kind].memory(stories_policy.config, warm.config)
+  assert part.label and part.copies == 3
+
+
+@pytest.mark.parametrize('kind', sorted(KINDS))
+def test_reflex_is_offered_only_where_a_kind_supports_it(kind):
+  if KINDS[kind].supports_reflex:
+    assert _config(kind, 'both').adaptation.mode == 'both'
+  else:
+    with pytest.raises(ValueError, match=f'does not apply to the {kind}'):
+      _config(kind, 'both')
