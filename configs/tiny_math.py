@@ -45,12 +45,12 @@ def get_config():
       dtype='float32',                   # of the parameters
       # 'bfloat16': bf16 matmuls, batch-invariant (rollouts equal the learner bit for bit;
       # ModelConfig.compute_dtype). float32 stays the default until its speed is measured
-      # on the main job (WORKSPACE_NOTES, "bf16 compute").
+      # on the main job (notes/history.md, "bf16 compute").
       compute_dtype='float32'))
   # chat_template: prompts as a user turn through the tokenizer's chat template (instruct
   # models); the W1 policy is a base model and reads raw prompts.
   # 64 easy tasks, cycled (4 steps per pass): GRPO raises the reward on them visibly
-  # within the run (WORKSPACE_NOTES, "Main job"); the hard split and fresh tasks every
+  # within the run (notes/history.md, "Main job"); the hard split and fresh tasks every
   # step showed no trend over 40 steps at any learning rate tried.
   # reward: a rule of tasks.rewards.REWARD_RULES (strict reads '#### n' or a box).
   c.task = ml_collections.ConfigDict(dict(
@@ -82,12 +82,12 @@ def get_config():
       num_sequences=512, held_out=64))
   # Adaptation of the heads or the drafter (rl.run_config.ADAPTATION_MODES): slow = the
   # slow path alone. Reflex (mode=reflex|both; heads only) is off: on W1 its gates never open
-  # and it costs generation time (WORKSPACE_NOTES, "Issue 15").
+  # and it costs generation time (notes/history.md, "Issue 15").
   c.adaptation = ml_collections.ConfigDict(dict(
       mode='slow', harvest_top_k=32, reflex=section(ReflexConfig),
       monitor=section(MonitorConfig), consolidation=section(ConsolidationConfig),
       # The always-online baseline's retraining after every batch (mode=online), tuned on
-      # its own for its best end-to-end time (WORKSPACE_NOTES, "Adaptation").
+      # its own for its best end-to-end time (notes/history.md, "Adaptation").
       online=section(ConsolidationConfig)))
   # One mesh for rollouts and learner (model/mesh.py): rows over data x fsdp, weights over
   # fsdp x tensor; -1 = every device the other axes leave.

@@ -172,7 +172,7 @@ def write_report(out, directory):
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # noqa: PLC0415
   lines = [f'# bf16 compute against float32 (SmolLM2-135M)\n\n`{out["command"]}` '
-           f'({out["minutes"]:.0f} minutes, idle 2-core CPU). WORKSPACE_NOTES, "bf16 compute".\n',
+           f'({out["minutes"]:.0f} minutes, idle 2-core CPU). notes/history.md, "bf16 compute".\n',
            '| rows | vanilla step float32 ms | bf16 ms | bf16 / float32 speed |',
            '|---:|---:|---:|---:|']
   for rows, ms in out['decode_step_ms'].items():

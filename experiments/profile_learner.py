@@ -33,6 +33,7 @@ from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rl.run import resolve_policy
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.tasks.sources import load_tasks
+from experiments.common import trainer_part
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
 flags.DEFINE_integer('repeats', 3, 'Timed train steps after the compiling one.')
@@ -99,7 +100,7 @@ def learner_batch(policy, c) -> grpo.RolloutBatch:
 def main(argv):
   del argv
   c = _CONFIG.value
-  run = run_config(c)
+  run = run_config(trainer_part(c))
   policy = load_policy(resolve_policy(run.policy), dtype=run.policy.dtype,
                        compute_dtype=run.policy.compute_dtype)
   # The harvest is on where the slow path consumes it (the main job's adaptation 'both').

@@ -30,7 +30,7 @@ from specroll_jax.speculative.pairs import HeadPairs
 @dataclasses.dataclass(frozen=True)
 class ConsolidationConfig:
   # 4 steps x 8 rows: the always-online baseline's best end-to-end setting on W1; the slow
-  # path runs the same update a quarter as often (WORKSPACE_NOTES, "Adaptation").
+  # path runs the same update a quarter as often (notes/history.md, "Adaptation").
   steps: int = 4                  # Optax steps per update
   batch_size: int = 8             # harvested responses per step
   learning_rate: float = 1e-3

@@ -138,7 +138,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
 
   def __init__(self, rollout_actor=None, tokenizer=None, mesh=None,
                rollout_config: base_rollout.RolloutConfig | None = None, **settings):
-    del mesh  # rows run on this process's default device; see WORKSPACE_NOTES, issue 32
+    del mesh  # rows run on this process's default device; see notes/history.md, issue 32
     if rollout_actor is None or type(rollout_actor).__name__ != 'Qwen2':
       raise ValueError('SpecRollRollout maps tunix Qwen2 models; got '
                        f'{type(rollout_actor).__name__}')

@@ -101,7 +101,7 @@ class Adaptation(abc.ABC):
 
   def __init__(self, config: AdaptationSection, branching: tuple, proposer, trainable: int):
     self.mode, self.monitor_config = config.mode, config.monitor
-    # The always-online baseline is tuned on its own (WORKSPACE_NOTES, issue 15).
+    # The always-online baseline is tuned on its own (notes/history.md, issue 15).
     self.consolidation_config = config.retraining
     self.branching, self.proposer, self.trainable = branching, proposer, trainable
 

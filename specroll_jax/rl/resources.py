@@ -24,7 +24,7 @@ def return_large_frees_to_the_os() -> bool:
   GRPO step frees and reallocates gigabytes of XLA buffers (rollout caches, the learner's
   activations): on the SmolLM2 job the resident set sat at 10.3-10.6 GB after each step
   while live arrays were 1.5 GB; with this call, 8.1-8.4 GB at the same step times and
-  tokens (WORKSPACE_NOTES, issue 31). It reaches only what is allocated after the call;
+  tokens (notes/history.md, issue 31). It reaches only what is allocated after the call;
   `restart_with_large_frees_returned` covers the whole process. Setting the threshold also
   turns off glibc's dynamic raising of it, for the whole process.
   """
@@ -42,7 +42,7 @@ def restart_with_large_frees_returned() -> None:
 
   Why: glibc reads the variable at its first allocation, so the setting then covers what
   the interpreter, the imports and the first compilations allocate too, which a call from
-  inside the run cannot reach. Measured on the SmolLM2 job (WORKSPACE_NOTES, issue 31): a
+  inside the run cannot reach. Measured on the SmolLM2 job (notes/history.md, issue 31): a
   4-step check started this way held 7.3-7.6 GB after each step against 8.1-8.4 GB with the
   call alone, but the whole job's peak, set inside its updates, did not fall (8,617 vs
   8,520 MiB).

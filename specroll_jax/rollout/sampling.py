@@ -25,7 +25,7 @@ moves a pick only when the best two perturbed scores are within the logit error,
 gap is of order one. Two levels, because one Gumbel number per vocabulary entry cost 21 ms
 per draw of 16 rows x 49k on the 2-core CPU (15% of a SmolLM2 decode step); nb + b ~ 2 sqrt(V)
 numbers cost 0.8 ms, less than inverse-CDF's cumulative sum (5.4 ms). Flip rates and costs:
-WORKSPACE_NOTES, "Sampling near-ties".
+notes/history.md, "Sampling near-ties".
 """
 import dataclasses
 import math

@@ -34,7 +34,7 @@ DEFAULT_BATCHES = (64, 32, 16, 8)
 CACHE_DIR_ENV = 'SPECROLL_CAPACITY_DIR'
 DEFAULT_CACHE_DIR = Path('~/.cache/specroll_jax/capacity')
 # The largest median relative spread ((q3 - q1) / median of a shape's repeats) of a profile
-# measured on an otherwise idle machine; see WORKSPACE_NOTES for the spreads measured.
+# measured on an otherwise idle machine; see notes/history.md for the spreads measured.
 MAX_SPREAD = 0.1
 MEASURE_ATTEMPTS = 3
 

@@ -4,7 +4,7 @@ A proposer that projects its states through the policy's vocabulary matrix W pay
 row of W it reads, at every depth, in every tree step and every training step. Restricting
 it to the tokens most frequent as next tokens in its training text (FR-Spec does the same)
 reads V_d rows instead of V: 8,192 of SmolLM2's 49,152 cover 0.958 of held-out drawn tokens
-(WORKSPACE_NOTES, issue 29). Tokens outside it are never drafted; the verifier still draws
+(notes/history.md, issue 29). Tokens outside it are never drafted; the verifier still draws
 from the policy's whole distribution, so exactness does not depend on it.
 """
 import jax.numpy as jnp

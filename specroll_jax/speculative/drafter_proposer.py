@@ -10,7 +10,7 @@ spine, 0.21 for a 48-candidate tree; results/drafts_w3).
 
 The spine (`spine_paths`) hangs each depth's top-k below the previous depth's best guess:
 one block step per depth, the cheapest tree. At T = 1 the best guess carries ~0.3 of the
-policy's mass on SmolLM2 (WORKSPACE_NOTES, issue 29), so most accepted paths leave the spine
+policy's mass on SmolLM2 (notes/history.md, issue 29), so most accepted paths leave the spine
 after their first step; a tree chosen from the drafter's own held-out rank paths
 (experiments.measure_drafter_trees) expands the lower ranks that are drawn often enough.
 Its shape stays static, so the tree builder, group drafts and the walk see fixed parents.

@@ -2,7 +2,7 @@
 
 Measured on the engine's own compiled steps and on a rollout's own first state, not derived
 from the capacity profile's forward latencies. Proposing and walking cost a third to a half
-of a decode step on W3 (WORKSPACE_NOTES, the step profile), and a forward-only price would
+of a decode step on W3 (notes/history.md, the step profile), and a forward-only price would
 leave that out.
 """
 import dataclasses
@@ -24,7 +24,7 @@ STEPS_PER_CALL = 8
 # Most tree tokens per bucket (rows x nodes) for which sizing also tries projecting every
 # node before the walk. At 16 rows x 4 nodes on W3 one projection of all 64 nodes
 # (3.6 GFLOP, ~12.6 MB of logits) measured no gain over the walk's per-depth projections
-# (WORKSPACE_NOTES, the step profile); below that the trial decides.
+# (notes/history.md, the step profile); below that the trial decides.
 ONE_PROJECTION_MAX_TOKENS = 32
 
 

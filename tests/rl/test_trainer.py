@@ -203,9 +203,15 @@ def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
     # than the killed run, which loads it from the session's cache, takes.
     max_delay = (CHECKPOINT_KILL_DELAY if phase == 'checkpoint'
                  else min(m[f'time_{phase}'] for s, m in timed.items() if s >= step) / 2)
-    assert _kill_in_phase(killed, phase, step, max_delay, rng) == (step, phase)
+    landed = _kill_in_phase(killed, phase, step, max_delay, rng)
     if phase == 'checkpoint':
-      assert _partial_checkpoints(killed), 'the kill missed the checkpoint write'
+      # Orbax writes asynchronously: the write goes on into the next step's first phase
+      # (a tiny model's can be that quick), and what the kill must interrupt is the write.
+      assert landed[0] in (step, step + 1), landed
+      assert list((killed / 'checkpoints').glob(f'{step}{PARTIAL_CHECKPOINT}')), (
+          'the kill missed the checkpoint write')
+    else:
+      assert landed == (step, phase)
   subprocess.run(_command(killed), cwd=REPO, check=True, capture_output=True)
   drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
   assert drop(_metrics(killed)) == drop(_metrics(straight))

@@ -80,7 +80,7 @@ def test_a_sampled_draw_follows_the_two_level_contract():
 def test_logit_differences_of_float_noise_rarely_move_a_draw():
   # A 49k-vocabulary policy's long tail put inverse-CDF boundaries 1e-7 apart, so logits that
   # differed by ~1e-5 between a tree forward and a one-token forward moved 1 token in ~2000
-  # (WORKSPACE_NOTES, "Sampling near-ties"). Gumbel-max only flips when the best two perturbed
+  # (notes/history.md, "Sampling near-ties"). Gumbel-max only flips when the best two perturbed
   # scores (of blocks, then of tokens) are within the noise, whose gap is of order one.
   vocab, draws = 8192, 4000
   # Zipf-like, with the tail spread over the ids as in a real vocabulary.
