@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.model.policy import load_policy
-from specroll_jax.rl.adaptation import WarmStarted
+from specroll_jax.rl.adaptation import ProposerState, WarmStarted
 from specroll_jax.rl.rollouts import Rollouts, make_proposer, run_prompt_width
 from specroll_jax.rl.run import resolve_policy
 from specroll_jax.rl.run_config import run_config
@@ -53,7 +53,9 @@ def main(argv):
   tasks = load_tasks(base.task.source, count=base.task.count, seed=base.seed)
   task_prompts = [policy.prompt_ids(t.prompt, base.task.chat_template) for t in tasks]
   prompts = task_prompts[:base.rollout.prompts_per_step]
-  heads_config, heads = load_heads(_HEADS.value, policy.config)
+  heads_config, head_params = load_heads(_HEADS.value, policy.config)
+  # The heads as a run holds them; the slow path's optimizer and monitor play no part here.
+  heads = ProposerState(params=head_params, opt_state=None, monitor=None)
   runs = {}
   with tempfile.TemporaryDirectory() as prices:
     for name, (engine, proposers, mode, overrides) in VARIANTS.items():
@@ -61,11 +63,11 @@ def main(argv):
       c.rollout.engine, c.rollout.proposers, c.adaptation.mode = engine, proposers, mode
       c.rollout.update(overrides)
       config = run_config(c)
-      rollouts = Rollouts(policy, config.rollout,
-                          make_proposer(policy, config,
-                                        WarmStarted(heads_config, heads, Path(_HEADS.value))),
-                          run_prompt_width(task_prompts), None, Path(prices) / f'{len(runs)}.json')
-      rollouts.generate(policy.params, heads, prompts, base.seed)  # prices, compiles
+      warm = WarmStarted(heads_config, head_params, Path(_HEADS.value))
+      rollouts = Rollouts(policy, config.rollout, make_proposer(policy, config, warm),
+                          run_prompt_width(task_prompts), None, Path(prices) / f'{len(runs)}.json',
+                          first_batch=(policy.params, heads, prompts))  # priced here
+      rollouts.generate(policy.params, heads, prompts, base.seed)  # compiles
       runs[name] = rollouts
   times = {name: [] for name in runs}
   summaries = {}

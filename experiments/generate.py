@@ -20,12 +20,12 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import load_drafter
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.factory import (ENGINES, head_proposer, make_engine,
-                                       tree_config, with_group_drafts)
+from specroll_jax.speculative.factory import (ENGINES, PricingWorkload, build_engine,
+                                              head_proposer, tree_config, with_group_drafts)
+from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
 from specroll_jax.speculative.heads import load_heads
-from specroll_jax.speculative.step_cost import with_measured_step_costs
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -102,13 +102,13 @@ def main(argv):
                                  spine_paths(tuple(int(b) for b in FLAGS.branching)), sampler)
     proposer = with_group_drafts(proposer, names, GroupDraftConfig())
     tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
-  engine = make_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,
-                       tree_attention=FLAGS.tree_attention)
-  params = engine.params(policy.params, heads)
   rollout = RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch)
-  if FLAGS.engine == 'specroll' and FLAGS.speculation_gate:
-    engine = with_measured_step_costs(engine, rollout, params, prompts, FLAGS.num_samples,
-                                      size_widths=FLAGS.size_trees)
+  engine = build_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,
+                        tree_attention=FLAGS.tree_attention,
+                        gate=GateConfig() if FLAGS.speculation_gate else None,
+                        workload=PricingWorkload(policy.params, heads, rollout, prompts,
+                                                 FLAGS.num_samples, FLAGS.size_trees))
+  params = engine.params(policy.params, heads)
   driver = Driver(engine, rollout)
   with tqdm(total=len(prompts) * FLAGS.num_samples, desc='responses', file=sys.stderr) as bar:
     responses = driver.generate(params, prompts, FLAGS.num_samples, FLAGS.seed, progress=bar)

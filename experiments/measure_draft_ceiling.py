@@ -36,7 +36,7 @@ from specroll_jax.rl.grpo import batch_from_rollouts
 from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.sources import load_tasks
 
 _POLICY = flags.DEFINE_string('policy', 'workdir/models/smollm2-135m-instruct',
@@ -76,7 +76,7 @@ def main(argv):
   tasks = load_tasks(_SOURCE.value, count=_PROMPTS.value, seed=_SEED.value,
                      data_dir=_DATA.value, split=_SPLIT.value, chat=True)[:_PROMPTS.value]
   prompts = [policy.prompt_ids(t.prompt, True) for t in tasks]
-  engine = make_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
   driver = Driver(engine, RolloutConfig(_MAX_NEW.value, max_batch=len(prompts),
                                         prompt_bucket_min=run_prompt_width(prompts)))
   responses = driver.generate(engine.params(policy.params), prompts, 1, _SEED.value)

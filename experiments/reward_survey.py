@@ -24,7 +24,7 @@ from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rl.scoring import scored
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.rewards import REWARD_RULES
 from specroll_jax.tasks.sources import load_tasks
 
@@ -45,7 +45,7 @@ def survey(policy, source: str, split: str | None) -> dict:
   tasks = load_tasks(source, count=_PROMPTS.value, seed=_SEED.value, data_dir=_DATA.value,
                      split=split, chat=_CHAT.value)[:_PROMPTS.value]
   prompts = [policy.prompt_ids(t.prompt, _CHAT.value) for t in tasks]
-  engine = make_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
   driver = Driver(engine, RolloutConfig(_MAX_NEW.value, max_batch=len(prompts) * _GROUP.value,
                                         prompt_bucket_min=run_prompt_width(prompts)))
   start = time.perf_counter()

@@ -11,15 +11,14 @@ from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_draf
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.sections import build
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import DrafterConfig, has_drafter, load_drafter
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.factory import head_proposer, make_engine
+from specroll_jax.speculative.factory import build_engine, head_proposer
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
 from specroll_jax.speculative.heads import HeadsConfig
 from specroll_jax.speculative.oracle_proposer import OracleParams, OracleProposer
-from specroll_jax.speculative.step_cost import with_measured_step_costs
+from specroll_jax.speculative.step_cost import GatePrices, with_measured_step_costs
 from specroll_jax.tasks.sources import load_tasks
 
 
@@ -46,7 +45,7 @@ def head_training_prompts(policy, c, section=None):
 
 def story_openings(policy, count, length, seed):
   """The first `length` tokens of `count` stories the policy writes from BOS."""
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), policy.eos_ids)
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=1.0))
   stories = Driver(engine, RolloutConfig(length, max_batch=64)).generate(
       policy.params, [[policy.config.bos_token_id]], count, seed)
   return [[policy.config.bos_token_id] + s.token_ids for s in stories]
@@ -125,10 +124,10 @@ def workload_engines(policy, drafts: Drafts, c, tree, sampler,
   base_proposer = drafts.proposer(policy, c, sampler)
   group_drafts = (build(GroupDraftConfig, c.group, 'group')
                   if {'group', 'both'} & set(names) else None)
-  speculative = lambda proposer: make_engine(policy, 'specroll', sampler, proposer=proposer,
-                                             tree=tree)
+  speculative = lambda proposer: build_engine(policy, 'specroll', sampler, proposer=proposer,
+                                              tree=tree)
   makers = {
-      'vanilla': lambda: VanillaEngine(policy.config, sampler, policy.eos_ids),
+      'vanilla': lambda: build_engine(policy, 'vanilla', sampler),
       'specroll': lambda: speculative(base_proposer),
       'oracle': lambda: speculative(OracleProposer(base_proposer.depth)),
       'group': lambda: speculative(GroupProposer(group_drafts)),
@@ -148,14 +147,6 @@ def oracle_engine_params(oracle_engine, policy, reference, max_new_tokens, base_
   return oracle_engine.params(policy.params, OracleParams(base_params, jnp.asarray(oracle_tokens)))
 
 
-@dataclasses.dataclass(frozen=True)
-class GatePrices:
-  """What pricing measured for one engine: its gate's costs and, when sized, its widths."""
-  tree_step_costs: tuple  # ((batch, plain steps), ...)
-  sized_widths: tuple     # ((batch, nodes), ...); empty: the capacity decides
-  one_projection: tuple   # batches whose walk projects every node at once
-
-
 def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
                   size_widths: bool = False) -> dict:
   """`engines` with each speculative engine's gate priced (speculative/step_cost.py), and with
@@ -168,13 +159,7 @@ def gated_engines(engines, params, rollout, prompts, samples, prices: dict,
       gated[name] = engine
       continue
     if name not in prices:
-      priced = with_measured_step_costs(engine, rollout, params[name], prompts, samples,
-                                        size_widths=size_widths)
-      prices[name] = GatePrices(priced.tree_step_costs, priced.tree_config.sized_widths,
-                                priced.tree_config.one_projection)
-    gated[name] = dataclasses.replace(
-        engine, tree_step_costs=prices[name].tree_step_costs,
-        tree_config=dataclasses.replace(engine.tree_config,
-                                        sized_widths=prices[name].sized_widths,
-                                        one_projection=prices[name].one_projection))
+      prices[name] = GatePrices.of(with_measured_step_costs(
+          engine, rollout, params[name], prompts, samples, size_widths=size_widths))
+    gated[name] = prices[name].applied_to(engine)
   return gated

@@ -36,7 +36,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.response import FINISH_EOS
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rl.learned_proposers import learned_kind_name, parse_proposers
-from specroll_jax.speculative.factory import ENGINES, make_engine, with_group_drafts
+from specroll_jax.speculative.factory import ENGINES, build_engine, with_group_drafts
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
 from specroll_jax.speculative.tree import TreeConfig
 
@@ -184,7 +184,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
       if s.engine == 'specroll':
         proposer = with_group_drafts(None, parse_proposers(s.proposers), GroupDraftConfig())
         tree = TreeConfig(max_nodes=s.max_nodes, capacity_tokens=s.capacity_tokens)
-      engine = make_engine(policy, s.engine, sampler, proposer=proposer, tree=tree)
+      engine = build_engine(policy, s.engine, sampler, proposer=proposer, tree=tree)
       self._drivers[key] = Driver(engine, RolloutConfig(
           rollout_config.max_tokens_to_generate, max_batch=s.max_batch,
           prompt_bucket_min=self.max_prompt_length))

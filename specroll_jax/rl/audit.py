@@ -25,7 +25,7 @@ from specroll_jax.rl.schedule import due
 from specroll_jax.rollout.compilation import count_compilations
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig, draw_margin, log_weights, token_keys
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 
 # Logits of differently shaped float32 forwards differ by ~1e-5 here (1.2e-4 at most
 # against transformers on W3's 30 layers); a contract break moves scores by O(1).
@@ -56,7 +56,7 @@ class Audit:
                rollout: RolloutConfig, group_size: int, mesh=None):
     self.config, self.sampler, self.group_size = config, sampler, group_size
     self.policy_config = policy.config
-    self.engine = make_engine(policy, 'vanilla', sampler, mesh=mesh)
+    self.engine = build_engine(policy, 'vanilla', sampler, mesh=mesh)
     self.driver = Driver(self.engine, rollout)
     self.width = rollout.prompt_bucket_min + rollout.max_new_tokens
     self.warm = False

@@ -14,7 +14,7 @@ from specroll_jax.rl.schedule import due
 from specroll_jax.rl.scoring import scored
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.rewards import REWARD_RULES
 from specroll_jax.tasks.sources import Task, load_tasks
 
@@ -58,7 +58,7 @@ class HeldOutEvaluation:
                sampler: SamplerConfig, rollout: RolloutConfig, reward_rule: str, mesh=None):
     self.config, self.tasks, self.prompts, self.rule = config, tasks, prompts, reward_rule
     self.tokenizer = policy.tokenizer
-    self.driver = Driver(make_engine(policy, 'vanilla', sampler, mesh=mesh), rollout)
+    self.driver = Driver(build_engine(policy, 'vanilla', sampler, mesh=mesh), rollout)
 
   def due(self, updates: int) -> bool:
     """Whether the policy after `updates` GRPO updates (0: the initial one) is evaluated."""

@@ -19,8 +19,9 @@ from specroll_jax.rl.adaptation import WarmStarted
 from specroll_jax.rl.learned_proposers import KINDS, learned_kind_name, parse_proposers
 from specroll_jax.rl.run_config import RolloutSection, RunConfig
 from specroll_jax.rollout.driver import Driver
-from specroll_jax.speculative.factory import make_engine, tree_config, with_group_drafts
-from specroll_jax.speculative.step_cost import with_measured_step_costs
+from specroll_jax.speculative.factory import (PricingWorkload, build_engine, tree_config,
+                                              with_group_drafts)
+from specroll_jax.speculative.step_cost import GatePrices
 
 
 def make_proposer(policy: Policy, config: RunConfig, warm: WarmStarted | None):
@@ -61,60 +62,61 @@ def rollout_digest(responses) -> str:
   return h.hexdigest()[:16]
 
 
-class Rollouts:
-  """An engine and its driver, every batch at the run's one prompt width.
+def _saved_prices(path: Path) -> GatePrices | None:
+  if not path.exists():
+    return None
+  try:
+    return GatePrices(tuple((int(b), float(cost)) for b, cost in json.loads(path.read_text())))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f'{path}: not a list of [batch, cost] pairs ({e}); delete it to '
+                     'measure the tree-step costs again') from e
 
-  With `rollout.speculation_gate`, the gate is priced on the first batch (the measured cost
-  of a tree step per bucket) and the prices are saved in `step_costs_path`, so a resumed
-  run makes the same tree-or-plain choices as the uninterrupted one.
+
+def _agreed(prices: GatePrices) -> GatePrices:
+  """Every process must run the same program: process 0's prices are everyone's."""
+  return dataclasses.replace(prices,
+                             tree_step_costs=distributed.agreed_costs(prices.tree_step_costs))
+
+
+class Rollouts:
+  """An engine and its driver, built once, every batch at the run's one prompt width.
+
+  With `rollout.speculation_gate` the engine comes priced (the measured cost of a tree step
+  per bucket): by the prices saved in `step_costs_path`, so a resumed run makes the same
+  tree-or-plain choices as the uninterrupted one, else measured on the run's first batch
+  and saved there.
   """
 
   def __init__(self, policy: Policy, config: RolloutSection, proposer, prompt_width: int, mesh,
-               step_costs_path: Path | None = None):
-    self.group_size = config.group_size
+               step_costs_path: Path | None = None, first_batch: tuple | None = None):
+    """`first_batch`: (policy params, proposer state, prompt ids) of the run's first step,
+    the workload a gated engine without saved prices is priced on."""
+    self.group_size, self.proposer = config.group_size, proposer
+    driver_config = dataclasses.replace(config.driver, prompt_bucket_min=prompt_width)
     gated = config.engine == 'specroll' and config.speculation_gate
-    self.step_costs_path = step_costs_path if gated else None
-    # Priced once, even when no bucket has trees (the prices are then empty).
-    self.unpriced = self.step_costs_path is not None
-    self.proposer = proposer
-    tree = None
+    tree = prices = workload = None
     if config.engine == 'specroll':
       tree = distributed.agreed_tree_config(
           lambda: tree_config(policy, max_nodes=config.tree.max_nodes,
                               capacity_tokens=config.tree.capacity_tokens))
-    self.engine = make_engine(policy, config.engine, config.sampler, proposer=proposer,
-                              tree=tree, mesh=mesh, tree_attention=config.tree_attention)
-    if self.step_costs_path is not None:
-      self.engine = dataclasses.replace(self.engine, gate_config=config.gate)
-    self.driver = Driver(self.engine, dataclasses.replace(config.driver,
-                                                          prompt_bucket_min=prompt_width))
+    if gated:
+      prices = _saved_prices(step_costs_path)
+      if prices is None:
+        policy_params, proposer_state, prompts = first_batch
+        workload = PricingWorkload(policy_params, proposer_state and proposer_state.params,
+                                   driver_config, prompts, self.group_size)
+    self.engine = build_engine(policy, config.engine, config.sampler, proposer=proposer,
+                               tree=tree, mesh=mesh, tree_attention=config.tree_attention,
+                               gate=config.gate if gated else None, prices=prices,
+                               workload=workload, agree=_agreed)
+    if workload is not None and distributed.is_primary():
+      tmp = step_costs_path.with_name(step_costs_path.name + '.tmp')
+      tmp.write_text(json.dumps(self.engine.tree_step_costs))
+      tmp.replace(step_costs_path)
+    self.driver = Driver(self.engine, driver_config)
 
   def generate(self, policy_params, proposer_state, prompts, seed):
     """Responses to `prompts` x group_size; `proposer_state` is the learned proposer's
     ProposerState (None: none drafts)."""
     params = self.engine.params(policy_params, proposer_state and proposer_state.params)
-    if self.unpriced:
-      self._price_gate(params, prompts)
-      self.unpriced = False
     return self.driver.generate(params, prompts, self.group_size, seed)
-
-  def _price_gate(self, params, prompts):
-    path = self.step_costs_path
-    if path.exists():
-      try:
-        costs = tuple((int(b), float(cost)) for b, cost in json.loads(path.read_text()))
-      except (ValueError, TypeError) as e:
-        raise ValueError(f'{path}: not a list of [batch, cost] pairs ({e}); delete it to '
-                         'measure the tree-step costs again') from e
-      self.engine = dataclasses.replace(self.engine, tree_step_costs=costs)
-    else:
-      # Every process must run the same program: process 0's prices are everyone's.
-      measured = with_measured_step_costs(self.engine, self.driver.config, params, prompts,
-                                          self.group_size).tree_step_costs
-      self.engine = dataclasses.replace(self.engine,
-                                        tree_step_costs=distributed.agreed_costs(measured))
-      if distributed.is_primary():
-        tmp = path.with_name(path.name + '.tmp')
-        tmp.write_text(json.dumps(self.engine.tree_step_costs))
-        tmp.replace(path)
-    self.driver = Driver(self.engine, self.driver.config)

@@ -39,6 +39,11 @@ def resolve_policy(policy: PolicySection) -> Path:
   return ensure_default_policy(policy.cache_dir)
 
 
+def step_indices(position: int, prompts_per_step: int, count: int) -> list[int]:
+  """The task indices of the step that starts at `position` in the cycled task list."""
+  return [(position + i) % count for i in range(prompts_per_step)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   config: RunConfig
@@ -57,8 +62,7 @@ class Run:
 
   def step_tasks(self, position: int):
     """The next step's tasks and prompt ids, from `position` in the cycled task list."""
-    indices = [(position + i) % len(self.tasks)
-               for i in range(self.config.rollout.prompts_per_step)]
+    indices = step_indices(position, self.config.rollout.prompts_per_step, len(self.tasks))
     return [self.tasks[i] for i in indices], [self.task_prompts[i] for i in indices]
 
   def next_position(self, position: int) -> int:
@@ -101,15 +105,31 @@ def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
                          dict(mesh.shape))
   if primary:
     print(report.table(), file=sys.stderr)
-  rollouts = Rollouts(policy, c.rollout, make_proposer(policy, c, warm), prompt_width, mesh,
-                      workdir / STEP_COSTS_FILE)
+  proposer = make_proposer(policy, c, warm)
+  adaptation = None if kind is None else kind.adaptation(policy, c, warm, proposer)
+  learner = Learner(c.grpo, policy, width, mesh, harvest_top_k=c.adaptation.harvest_top_k,
+                    drift_kl_every=c.metrics.drift_kl_every, seed=c.seed)
+  checkpoints, state = _latest_state(workdir, learner, adaptation, warm, mesh, primary)
+  first = step_indices(int(state.data_position), c.rollout.prompts_per_step, len(tasks))
+  rollouts = Rollouts(policy, c.rollout, proposer, prompt_width, mesh, workdir / STEP_COSTS_FILE,
+                      first_batch=(learner.rollout_params(state), state.heads,
+                                   [task_prompts[i] for i in first]))
   audit = Audit(policy, c.audit, c.rollout.sampler, rollouts.driver.config,
                 c.rollout.group_size, mesh)
   evaluation = HeldOutEvaluation(c.evaluation, policy, held_out, held_out_prompts,
                                  c.rollout.sampler, rollouts.driver.config, c.task.reward, mesh)
-  adaptation = None if kind is None else kind.adaptation(policy, c, warm, rollouts.proposer)
-  learner = Learner(c.grpo, policy, width, mesh, harvest_top_k=c.adaptation.harvest_top_k,
-                    drift_kl_every=c.metrics.drift_kl_every, seed=c.seed)
+  run = Run(config=c, workdir=workdir, primary=primary, policy=policy, tasks=tasks,
+            task_prompts=task_prompts, rollouts=rollouts, audit=audit, evaluation=evaluation,
+            adaptation=adaptation,
+            learner=learner, checkpoints=checkpoints,
+            metrics=MetricsLog(workdir / METRICS_FILE, int(state.step), primary))
+  return run, state
+
+
+def _latest_state(workdir: Path, learner: Learner, adaptation: Adaptation | None, warm, mesh,
+                  primary: bool) -> tuple[ocp.CheckpointManager, TrainState]:
+  """The run's checkpoint manager, and the state it starts from: step 0, or the latest
+  checkpoint in `workdir`."""
   state = learner.init_state(None if adaptation is None
                              else adaptation.init_state(warm.params, mesh))
   checkpoints = ocp.CheckpointManager(
@@ -119,9 +139,4 @@ def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
     state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(state))
     if primary:
       print(f'resumed from step {int(state.step)}', file=sys.stderr)
-  run = Run(config=c, workdir=workdir, primary=primary, policy=policy, tasks=tasks,
-            task_prompts=task_prompts, rollouts=rollouts, audit=audit, evaluation=evaluation,
-            adaptation=adaptation,
-            learner=learner, checkpoints=checkpoints,
-            metrics=MetricsLog(workdir / METRICS_FILE, int(state.step), primary))
-  return run, state
+  return checkpoints, state

@@ -1,16 +1,22 @@
-"""Building a rollout engine by name for CLIs, benchmarks and the trainer.
+"""Building a rollout engine by name, priced, for the trainer, CLIs, benchmarks and tunix.
 
 The factory builds the speculative engine, so it lives at the top of speculative/ (in rollout/ it
 would import upward).
 """
+import dataclasses
+from typing import Any, Callable
+
 from specroll_jax.model.policy import Policy
+from specroll_jax.rollout.driver import RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.capacity import load_or_measure
 from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.speculative.heads import HeadsConfig, heads_metadata
+from specroll_jax.speculative.step_cost import GatePrices, with_measured_step_costs
 from specroll_jax.speculative.tree import TreeConfig
 
 ENGINES = ('vanilla', 'specroll')
@@ -48,9 +54,28 @@ def head_proposer(policy: Policy, heads_config: HeadsConfig, heads_dir, sampler:
                       prior_accept=prior_acceptance(heads_dir))
 
 
-def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, proposer=None,
-                tree: TreeConfig | None = None, mesh=None, tree_attention: str = 'xla'):
-  """The engine `name` in ENGINES; specroll needs a proposer and a tree configuration."""
+@dataclasses.dataclass(frozen=True)
+class PricingWorkload:
+  """The workload a gated engine is priced (and its trees sized) on: the first state a
+  Driver(engine, rollout) runs for `prompts` x `num_samples`, under the policy's and the
+  proposer's parameters."""
+  policy_params: Any
+  proposer_params: Any
+  rollout: RolloutConfig
+  prompts: list
+  num_samples: int
+  size_widths: bool = False  # also choose each bucket's tree width (step_cost.size_trees)
+
+
+def build_engine(policy: Policy, name: str, sampler: SamplerConfig, *, proposer=None,
+                 tree: TreeConfig | None = None, mesh=None, tree_attention: str = 'xla',
+                 gate: GateConfig | None = None, prices: GatePrices | None = None,
+                 workload: PricingWorkload | None = None,
+                 agree: Callable[[GatePrices], GatePrices] = lambda prices: prices):
+  """The rollout engine `name` in ENGINES, the one place engines are built. SpecRoll needs a
+  proposer and a tree configuration; with a `gate` it comes priced: by `prices` (saved by
+  an earlier run), else measured on `workload` and passed through `agree` (a multi-process
+  run agrees on one process's prices). Without a gate every step of width > 1 is a tree."""
   if name == 'vanilla':
     return VanillaEngine(policy.config, sampler, policy.eos_ids, mesh=mesh)
   if name != 'specroll':
@@ -58,5 +83,16 @@ def make_engine(policy: Policy, name: str, sampler: SamplerConfig, *, proposer=N
   if proposer is None or tree is None:
     raise ValueError('engine=specroll needs a proposer (heads from experiments.train_heads) '
                      'and a tree configuration')
-  return SpecEngine(policy.config, proposer, tree, sampler, policy.eos_ids, mesh=mesh,
-                    tree_attention=tree_attention)
+  engine = SpecEngine(policy.config, proposer, tree, sampler, policy.eos_ids, mesh=mesh,
+                      tree_attention=tree_attention)
+  if gate is None:
+    return engine
+  engine = dataclasses.replace(engine, gate_config=gate)
+  if prices is None:
+    if workload is None:
+      raise ValueError('a gated SpecRoll engine needs saved prices or a workload to price on')
+    measured = with_measured_step_costs(
+        engine, workload.rollout, engine.params(workload.policy_params, workload.proposer_params),
+        workload.prompts, workload.num_samples, size_widths=workload.size_widths)
+    prices = agree(GatePrices.of(measured))
+  return prices.applied_to(engine)

@@ -149,6 +149,25 @@ def size_trees(engine, params, state, seed_key, buckets, repeats: int = 5) -> tu
   return sized, tuple(trials)
 
 
+@dataclasses.dataclass(frozen=True)
+class GatePrices:
+  """What pricing measured for one engine: its gate's costs and, when sized, its widths. A
+  run saves them so that a resumed run, or a smaller batch of a sweep, decides as it did."""
+  tree_step_costs: tuple      # ((batch, plain steps), ...); empty: no gate, every step a tree
+  sized_widths: tuple = ()    # ((batch, nodes), ...); empty: the capacity decides
+  one_projection: tuple = ()  # batches whose walk projects every node at once
+
+  @classmethod
+  def of(cls, engine) -> 'GatePrices':
+    return cls(engine.tree_step_costs, engine.tree_config.sized_widths,
+               engine.tree_config.one_projection)
+
+  def applied_to(self, engine):
+    tree = dataclasses.replace(engine.tree_config, sized_widths=self.sized_widths,
+                               one_projection=self.one_projection)
+    return dataclasses.replace(engine, tree_step_costs=self.tree_step_costs, tree_config=tree)
+
+
 def with_measured_step_costs(engine, rollout_config, params, prompts, num_samples: int,
                              repeats: int = 5, size_widths: bool = False):
   """`engine` with its gate priced on this workload: the tree-step costs measured on the

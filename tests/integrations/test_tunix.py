@@ -14,7 +14,7 @@ from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.compilation import compilations_so_far
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 from tests.conftest import STORIES
 
 PROMPTS = ['Once upon a time', 'The little cat']
@@ -25,7 +25,7 @@ MAX_TOKENS, PROMPT_WIDTH = 16, 32
 def _vanilla_tokens(engine: SpecRollRollout, params, seed: int) -> list[list[int]]:
   """This project's vanilla engine on the same prompts, params and seed, EOS dropped."""
   sampler = SamplerConfig(temperature=1.0)
-  vanilla = make_engine(Policy(engine.config, params, None), 'vanilla', sampler)
+  vanilla = build_engine(Policy(engine.config, params, None), 'vanilla', sampler)
   driver = Driver(vanilla, RolloutConfig(MAX_TOKENS, prompt_bucket_min=PROMPT_WIDTH))
   ids = [engine._tokenizer.encode(p) for p in PROMPTS]
   responses = driver.generate(vanilla.params(params), ids, GROUP, seed)

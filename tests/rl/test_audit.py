@@ -5,7 +5,7 @@ import dataclasses
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, Audit, AuditConfig, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.factory import make_engine
+from specroll_jax.speculative.factory import build_engine
 
 
 def test_audit_counts_identical_responses_and_flags_a_contract_break(stories_policy):
@@ -14,7 +14,7 @@ def test_audit_counts_identical_responses_and_flags_a_contract_break(stories_pol
   prompts = [policy.prompt_ids(text, False) for text in ('Once upon a time', 'The cat')]
   audit = Audit(policy, AuditConfig(every=2), sampler, rollout, group_size=2)
   assert [audit.due(step) for step in (1, 2, 3, 4)] == [False, True, False, True]
-  responses = Driver(make_engine(policy, 'vanilla', sampler), rollout).generate(
+  responses = Driver(build_engine(policy, 'vanilla', sampler), rollout).generate(
       policy.params, prompts, 2, seed=3)
   clean = audit(policy.params, prompts, 3, responses, rollout_seconds=1.0)
   assert (clean['audit_identical'], clean['audit_near_ties'], clean['audit_mismatches']) == (4, 0, 0)
