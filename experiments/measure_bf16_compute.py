@@ -14,7 +14,6 @@ bf16 engines round them once per rollout):
   - transformers `generate` in bf16 against our vanilla in bf16, whole rollouts.
 Writes results.json and README.md. Keep the CPU otherwise idle (about 30 minutes).
 """
-import dataclasses
 import json
 import statistics
 import time
