@@ -1,6 +1,6 @@
 """W1 adaptation ablation: one seeded GRPO run per head-adaptation variant.
 
-  python -m experiments.bench_adaptation --config=configs/ablation_w1.py
+  python -m experiments.bench.adaptation --config=configs/ablation_w1.py
 
 The GRPO learning rate is raised over the main job's so the policy drifts measurably
 within the run (drift_kl: KL(current || initial) on each batch's own tokens). A fixed

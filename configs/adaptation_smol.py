@@ -3,7 +3,7 @@ with the heads drafting every step, once per adaptation variant.
 
   python3 -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
   python3 -m experiments.train_heads ... (the W3 heads: notes/history.md, issue 29)
-  python3 -m experiments.bench_adaptation --config=configs/adaptation_smol.py
+  python3 -m experiments.bench.adaptation --config=configs/adaptation_smol.py
 
 Every variant emits the same tokens (exactness: their rollout digests are compared), so
 each sees the same policy trajectory and the same drift; what differs is the heads' tau

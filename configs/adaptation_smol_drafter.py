@@ -2,8 +2,8 @@
 sequential drafter drafting instead of the heads.
 
   python3 -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
-  python3 -m experiments.bench_drafts --config=configs/drafts_w3.py  (warm-starts the drafter)
-  python3 -m experiments.bench_adaptation --config=configs/adaptation_smol_drafter.py
+  python3 -m experiments.bench.drafts --config=configs/drafts_w3.py  (warm-starts the drafter)
+  python3 -m experiments.bench.adaptation --config=configs/adaptation_smol_drafter.py
 
 The drafter is W3's (configs/bench_w3.py drafter_dir: 768 of the policy's own GSM8K train
 answers, 400 steps, an 8,192-token draft vocabulary), each variant starting from a copy. Its

@@ -1,6 +1,6 @@
 """Reflex under a drift between the W1 ablation's and the notebook's: GRPO at lr 1e-3.
 
-  python -m experiments.bench_adaptation --config=configs/adaptation_w1_drift.py
+  python -m experiments.bench.adaptation --config=configs/adaptation_w1_drift.py
 
 The ablation (lr 3e-4, 60 steps) moves the W1 policy by KL ~1 nat/token and Reflex's gates
 stay shut; the notebook's episode (lr 3e-3, 10 steps) reaches KL ~6. This run sits between

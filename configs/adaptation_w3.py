@@ -1,7 +1,7 @@
 """Head adaptation under a real model's drift: GRPO on SmolLM2-135M-Instruct (W3's model).
 
   python -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
-  python -m experiments.bench_adaptation --config=configs/adaptation_w3.py
+  python -m experiments.bench.adaptation --config=configs/adaptation_w3.py
 
 A real instruct model drifts under GRPO differently from the from-scratch W1 policy; this
 run asks whether Reflex's gates open there (delayed alignment, gate activity) and what it

@@ -1,6 +1,6 @@
 """W1 end-to-end benchmark: 20 GRPO steps on the synthetic math task, per engine.
 
-  python -m experiments.bench_e2e --config=configs/bench_w1.py
+  python -m experiments.bench.e2e --config=configs/bench_w1.py
 """
 from configs.tiny_math import get_config as base_config
 

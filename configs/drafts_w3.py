@@ -1,6 +1,6 @@
 """Draft quality on W3 (SmolLM2-135M-Instruct, GSM8K chat prompts) at fixed node budgets.
 
-  python -m experiments.bench_drafts --config=configs/drafts_w3.py
+  python -m experiments.bench.drafts --config=configs/drafts_w3.py
 
 The heads and the sequential drafter are W3's (configs/bench_w3.py: heads_dir, drafter_dir
 and their warm starts); the drafter is self-distilled when missing, on the model's own
@@ -26,7 +26,7 @@ def get_config():
   c.proposers = ('heads', 'drafter', 'drafter_tree', 'heads_group', 'oracle')
   # The drafter's rank-path trees, chosen on its own ranks over answers to GSM8K train
   # questions it was not trained on:
-  #   python -m experiments.measure_drafter_trees --trees_out_dir=results/drafts_w3/drafter_trees
+  #   python -m experiments.measure.drafter_trees --trees_out_dir=results/drafts_w3/drafter_trees
   c.drafter_trees = 'results/drafts_w3/drafter_trees/results.json'
   # (nodes per row, the size of the tree whose paths are its candidates)
   c.drafter_tree_pools = ((4, 16), (8, 32), (16, 48))

@@ -1,6 +1,6 @@
 """Group drafts on W1 and W3: the heads alone, group drafts alone and both, against vanilla.
 
-  python -m experiments.bench_group_drafts --config=configs/group_drafts.py
+  python -m experiments.bench.group_drafts --config=configs/group_drafts.py
 
 Each workload runs twice in one process: with every step a tree (no speculation gate), for
 tau at a fixed budget, and with the gate, for the generation speedup a run would get.
@@ -30,7 +30,8 @@ def w1_config():
   # missing. Seed 1: prompts the heads were not trained on (they used seed 0's first 576).
   c.heads_dir = 'workdir/tiny_math/heads'
   c.heads = ml_collections.ConfigDict(dict(
-      prompts='synthetic:hard', num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, max_new_tokens=64,
+      prompts='synthetic:hard', num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64,
+      max_new_tokens=64,
       steps=600, batch_size=32, seed=0))
   c.seed = 1
   c.prompt_buckets_per_octave = 4

@@ -1,6 +1,6 @@
 """Sampling near-ties on W3 (SmolLM2-135M-Instruct, 49k vocabulary) and stories260K (512).
 
-  python -m experiments.measure_near_ties --config=configs/near_ties.py
+  python -m experiments.measure.near_ties --config=configs/near_ties.py
 
 W3 is the group-draft benchmark's GSM8K chat prompts at 256 new tokens, T = 1; stories260K
 is W2's story openings at 160 new tokens. `block` = 8 is the depth of W3's trees (a tree

@@ -7,7 +7,7 @@ MODEL in MODELS (the checkpoint is the user's own HF directory: nothing is downl
 DATASET in DATASETS (read from --config.task.data_dir, $SPECROLL_DATA_DIR or
 ../shared/data). Settings follow common GRPO practice for these sizes (group 8, lr 1e-6, k3 KL 1e-3, bf16); DAPO uses the
 clip-higher range it was published with. The mesh is FSDP over every device
-(--config.mesh.fsdp / .tensor / .data to change it); `experiments.memory_report` says what
+(--config.mesh.fsdp / .tensor / .data to change it); `experiments.measure.memory_report` says what
 each device then holds, from ARCHITECTURES when the checkpoint is not at hand. LoRA as
 FastGRPO trains 7B policies: --config.grpo.lora_rank=64 --config.grpo.lora_alpha=32.
 """
@@ -18,7 +18,7 @@ MODELS = {
     'qwen2.5-7b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
     'llama3.1-8b': dict(prompts_per_step=128, micro_batch_size=8, max_batch=256),
 }
-# The models' published config.json fields that shape memory (for experiments.memory_report).
+# The models' published config.json fields that shape memory (for experiments.measure.memory_report).
 ARCHITECTURES = {
     'qwen2.5-1.5b': dict(architectures=['Qwen2ForCausalLM'], vocab_size=151936,
                          hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

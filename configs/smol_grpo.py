@@ -3,7 +3,7 @@
   python3 -m experiments.import_gguf --out=workdir/models/smollm2-135m-instruct
   python3 -m experiments.train_grpo --config=configs/smol_grpo.py --workdir=workdir/smol_grpo
 
-The reward rule is what `experiments.reward_survey` found this model can earn (results/
+The reward rule is what `experiments.measure.reward_survey` found this model can earn (results/
 reward_survey): at T=1 it answers 0 of 64 GSM8K train samples right under the strict or the
 lenient reader and 3% of the synthetic tasks, so correctness gives GRPO no groups to learn
 from; 7.8% of its GSM8K answers end in the asked-for '#### <number>' format (31% of groups

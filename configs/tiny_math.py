@@ -59,7 +59,7 @@ def get_config():
   # Held-out prompts the run never trains on, scored every `every` updates (0 = never).
   c.evaluation = section(EvaluationConfig)
   # One subsection per dataclass the rollouts build (rl/rollouts.py); tree.capacity_tokens 0
-  # = this model's profiled capacity (experiments.profile_capacity, cached).
+  # = this model's profiled capacity (experiments.profile.capacity, cached).
   c.rollout = ml_collections.ConfigDict(dict(
       engine='specroll', prompts_per_step=16, group_size=8, tree_attention='xla',
       speculation_gate=True,

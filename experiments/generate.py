@@ -11,21 +11,16 @@ from pathlib import Path
 from absl import app, flags
 from tqdm import tqdm
 
-from experiments.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
+from experiments.lib.common import DEFAULT_CHECKPOINT, read_prompts, write_jsonl_atomic
 from specroll_jax import load_policy
 from specroll_jax.model.attention import ATTENTION_IMPLEMENTATIONS
 from specroll_jax.model.mesh import MeshConfig, make_mesh, shard_params
-from specroll_jax.rl.learned_proposers import parse_proposers
+from specroll_jax.rl.learned_proposers import KINDS, saved_kind_name
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.drafter import load_drafter
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.factory import (ENGINES, PricingWorkload, build_engine,
-                                              head_proposer, tree_config, with_group_drafts)
+from specroll_jax.speculative.factory import ENGINES, PricingWorkload, build_engine, tree_config
 from specroll_jax.speculative.gate import GateConfig
-from specroll_jax.speculative.group_proposer import GroupDraftConfig
-from specroll_jax.speculative.head_proposer import HeadDraftConfig
-from specroll_jax.speculative.heads import load_heads
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('prompts', None, 'JSONL file with one {"prompt": "..."} per line.')
@@ -40,19 +35,17 @@ flags.DEFINE_integer('max_new_tokens', 128, 'Maximum generated tokens per respon
 flags.DEFINE_integer('seed', 0,
                      'Rollout seed (the randomness contract in specroll_jax/rollout/sampling.py).')
 flags.DEFINE_enum('engine', 'vanilla', list(ENGINES), 'Rollout engine.')
-flags.DEFINE_string('heads', None, 'Horizon heads directory (engine=specroll with heads).')
-flags.DEFINE_string('drafter', None,
-                    'Sequential drafter directory (engine=specroll with the drafter; from '
-                    'experiments.train_heads --proposer=drafter). It drafts a spine of '
-                    '--branching candidates per depth.')
-flags.DEFINE_string('proposers', None,
-                    'engine=specroll: drafting sources, a comma-separated subset of '
-                    'heads,drafter,group with at most one of heads and drafter (group: '
-                    'continuations from the prompt and the other samples of it). '
-                    'Default: heads,group when --num_samples > 1, else heads.')
+flags.DEFINE_string('proposer_dir', None,
+                    'engine=specroll: a learned proposer saved by experiments.train_heads (or '
+                    "a run's warm start): heads or the sequential drafter, told by its files. "
+                    'It drafts --branching candidate ranks per depth.')
+flags.DEFINE_bool('group_drafts', None,
+                  'engine=specroll: also draft continuations found in the prompt and the other '
+                  'samples of it (speculative/group_proposer.py). Default: on when '
+                  '--num_samples > 1. Without --proposer_dir, the only drafts.')
 flags.DEFINE_integer('capacity_tokens', 0,
                      'C_hw for the tree budget; 0 = the cached capacity profile (measured '
-                     'on first use, see experiments.profile_capacity), per batch size.')
+                     'on first use, see experiments.profile.capacity), per batch size.')
 flags.DEFINE_integer('max_nodes', 64, 'N_max: tree nodes per response, root included.')
 flags.DEFINE_enum('tree_attention', 'xla', list(ATTENTION_IMPLEMENTATIONS),
                   'Attention of the verification forward: xla or the Pallas kernel.')
@@ -84,23 +77,17 @@ def main(argv):
     policy = dataclasses.replace(policy, params=shard_params(mesh, policy.params))
   proposer = tree = heads = None
   if FLAGS.engine == 'specroll':
-    names = parse_proposers(FLAGS.proposers or
-                            ('heads,group' if FLAGS.num_samples > 1 else 'heads'))
-    if 'heads' in names:
-      if not FLAGS.heads:
-        sys.exit('error: --engine=specroll with heads needs --heads (a directory from '
-                 'experiments.train_heads), or --proposers=group')
-      heads_config, heads = load_heads(FLAGS.heads, policy.config)
-      proposer = head_proposer(policy, heads_config, FLAGS.heads, sampler,
-                               HeadDraftConfig(tuple(int(b) for b in FLAGS.branching)))
-    elif 'drafter' in names:
-      if not FLAGS.drafter:
-        sys.exit('error: --proposers with drafter needs --drafter (a directory from '
-                 'experiments.train_heads --proposer=drafter)')
-      drafter_config, heads = load_drafter(FLAGS.drafter, policy.config)
-      proposer = DrafterProposer(policy.config, drafter_config,
-                                 spine_paths(tuple(int(b) for b in FLAGS.branching)), sampler)
-    proposer = with_group_drafts(proposer, names, GroupDraftConfig())
+    group = FLAGS.num_samples > 1 if FLAGS.group_drafts is None else FLAGS.group_drafts
+    if not FLAGS.proposer_dir and not group:
+      sys.exit('error: --engine=specroll needs --proposer_dir (a directory from '
+               'experiments.train_heads) or --group_drafts')
+    if FLAGS.proposer_dir:
+      kind = KINDS[saved_kind_name(FLAGS.proposer_dir)]
+      warm = kind.load(policy, Path(FLAGS.proposer_dir))
+      heads = warm.params
+      proposer = kind.drafting(policy, warm, sampler, tuple(int(b) for b in FLAGS.branching))
+    if group:
+      proposer = GroupProposer(GroupDraftConfig(), base=proposer)
     tree = tree_config(policy, max_nodes=FLAGS.max_nodes, capacity_tokens=FLAGS.capacity_tokens)
   rollout = RolloutConfig(FLAGS.max_new_tokens, FLAGS.max_batch)
   engine = build_engine(policy, FLAGS.engine, sampler, proposer=proposer, tree=tree, mesh=mesh,

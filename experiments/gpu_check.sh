@@ -30,7 +30,7 @@ python3 -m pytest -q tests/model/test_bf16_compute.py 2>&1 | tee "$out/bf16_inva
 w3_model=workdir/models/smollm2-135m-instruct
 if [[ -f $w3_model/config.json ]]; then
   for compute in float32 bfloat16; do
-    python3 -m experiments.bench_rollout --config=configs/bench_w3.py --config.dtype=bfloat16 \
+    python3 -m experiments.bench.rollout --config=configs/bench_w3.py --config.dtype=bfloat16 \
       --config.compute_dtype="$compute" --config.hf_generate=False \
       --config.out_dir="$out/bench_w3_gpu_$compute" 2>&1 | tee "$out/bench_w3_$compute.log"
   done

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from experiments.common import DEFAULT_CHECKPOINT
+from experiments.lib.common import DEFAULT_CHECKPOINT
 from specroll_jax.tasks.pretrain import PretrainConfig, pretrain
 
 _DEFAULTS = PretrainConfig()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from experiments.common import DEFAULT_CHECKPOINT, read_prompts
+from experiments.lib.common import DEFAULT_CHECKPOINT, read_prompts
 from specroll_jax import load_policy
 from specroll_jax.adapt import distill
 from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_drafter
@@ -65,8 +65,9 @@ flags.DEFINE_integer('steps', 800, 'Optimizer steps.')
 flags.DEFINE_integer('batch_size', 32, 'Sequences per step.')
 flags.DEFINE_float('learning_rate', 3e-3, 'AdamW learning rate.')
 flags.DEFINE_float('feature_weight', 0.0,
-                   '--proposer=drafter: weight of the feature loss (DrafterTraining.feature_weight; '
-                   'experiments.ablate_drafter_training measures it).')
+                   '--proposer=drafter: weight of the feature loss '
+                   '(DrafterTraining.feature_weight; '
+                   'experiments.measure.drafter_training_ablation measures it).')
 flags.DEFINE_integer('seed', 0, 'Seed for generation, init and batching.')
 flags.mark_flags_as_required(['out'])
 FLAGS = flags.FLAGS

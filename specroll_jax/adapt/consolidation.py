@@ -24,7 +24,7 @@ from specroll_jax.adapt import distill
 from specroll_jax.adapt.distill import DistillConfig
 from specroll_jax.model.mesh import to_host
 from specroll_jax.speculative.heads import HeadsConfig
-from specroll_jax.speculative.pairs import HeadPairs
+from specroll_jax.speculative.pairs import DistillPairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def _where_head_moments(config: ConsolidationConfig, keep, new, old):
                       is_moment, new, old)
 
 
-def scanned_steps(optimizer, loss, params, opt_state, batch: HeadPairs, order,
+def scanned_steps(optimizer, loss, params, opt_state, batch: DistillPairs, order,
                   gate=lambda tree: tree):
   """Optax steps of loss(params, minibatch) over the row minibatches `order` [steps,
   batch_size] of `batch`, as one scan inside the caller's jit; `gate` is applied to the
@@ -117,7 +117,7 @@ def scanned_steps(optimizer, loss, params, opt_state, batch: HeadPairs, order,
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
-           opt_state, policy_params, batch: HeadPairs, mask, order):
+           opt_state, policy_params, batch: DistillPairs, mask, order):
   """`order` [steps, batch_size] row indices; Optax on the head pytree, masked per head.
   Returns (params, optimizer state, last loss)."""
   loss = lambda params, minibatch: _loss(heads_config, model_config, config, mask, head_params,
@@ -130,7 +130,7 @@ def _train(heads_config: HeadsConfig, model_config, config: ConsolidationConfig,
 
 @partial(jax.jit, static_argnums=(0, 1))
 def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_params,
-                batch: HeadPairs):
+                batch: DistillPairs):
   """Mean KL(p || q_k) per head on held-out pairs [H]."""
   kl, _, count = distill.head_losses(heads_config, model_config, head_params, policy_params,
                                      batch)
@@ -140,12 +140,12 @@ def held_out_kl(heads_config: HeadsConfig, model_config, head_params, policy_par
 @dataclasses.dataclass(frozen=True)
 class RowSplit:
   """The harvested rows an update trains on, and those it holds out to judge it."""
-  train: HeadPairs
-  held_out: HeadPairs | None  # None without rollback: nothing is held out
+  train: DistillPairs
+  held_out: DistillPairs | None  # None without rollback: nothing is held out
   order: np.ndarray           # int [steps, batch_size] rows of `train` per Optax step
 
 
-def split_rows(config: ConsolidationConfig, pairs: HeadPairs, groups, seed: int) -> RowSplit:
+def split_rows(config: ConsolidationConfig, pairs: DistillPairs, groups, seed: int) -> RowSplit:
   """With `config.rollback`, whole prompt groups held out (`groups` [rows] names each row's
   prompt; None: every row its own): a GRPO group's samples share their prompt's text, so a
   held-out row of a trained prompt would reward memorising that prompt instead of tracking
@@ -188,7 +188,7 @@ def _finite_heads(head_params) -> np.ndarray:
 
 
 def consolidate(heads_config: HeadsConfig, model_config, config: ConsolidationConfig, head_params,
-                opt_state, policy_params, pairs: HeadPairs, heads_mask, seed: int,
+                opt_state, policy_params, pairs: DistillPairs, heads_mask, seed: int,
                 groups=None) -> Consolidation:
   """Trains the heads in `heads_mask` on `pairs`; with `config.rollback` keeps a head only if
   its held-out KL improves.

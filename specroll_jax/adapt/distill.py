@@ -30,7 +30,7 @@ from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
 from specroll_jax.speculative.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
                                      init_heads, load_heads, save_heads)
-from specroll_jax.speculative.pairs import HeadPairs, response_spans, shifted, top_targets
+from specroll_jax.speculative.pairs import DistillPairs, response_spans, shifted, top_targets
 from specroll_jax.speculative.proposer import Vocabulary
 
 
@@ -60,7 +60,7 @@ def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
 
 
 def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,
-                top_k: int) -> HeadPairs:
+                top_k: int) -> DistillPairs:
   """Pads token sequences to `width` (-1 = padding) and runs the policy over them."""
   tokens = np.full((len(sequences), width), -1, np.int32)
   for i, seq in enumerate(sequences):
@@ -68,18 +68,18 @@ def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], w
     tokens[i, :len(seq)] = seq
   tokens = jnp.asarray(tokens)
   hidden, ids, logp = policy_targets(model_config, params, tokens, top_k)
-  return HeadPairs(hidden=hidden, target_ids=ids, target_logp=logp,
+  return DistillPairs(hidden=hidden, target_ids=ids, target_logp=logp,
                       tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
 
 
-def _horizon_mask(batch: HeadPairs, num_heads: int):
+def _horizon_mask(batch: DistillPairs, num_heads: int):
   """[B, T, H]: position t and its head-k horizon t+k+1 are both real tokens."""
   return jnp.stack([shifted(batch.valid, k + 1) & batch.valid
                     for k in range(1, num_heads + 1)], axis=2)
 
 
 def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
-                    policy_params, batch: HeadPairs):
+                    policy_params, batch: DistillPairs):
   """log q_{t,k} at head k's targets: (at the policy's top-K [B, T, H, K], at the realised
   token [B, T, H], mask [B, T, H] of positions whose horizon t+k+1 is a real token, which
   targets [B, T, H, K + 1] the heads can draft: all of them without a draft vocabulary)."""
@@ -108,7 +108,7 @@ def _head_log_probs(heads_config: HeadsConfig, model_config: ModelConfig, head_p
 
 
 def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
-                policy_params, batch: HeadPairs):
+                policy_params, batch: DistillPairs):
   """Per-head (KL, CE, count) over positions t whose horizon t+k+1 is a real token."""
   q_at_targets, q_realised, mask, inside = _head_log_probs(heads_config, model_config,
                                                            head_params, policy_params, batch)
@@ -123,7 +123,7 @@ def head_losses(heads_config: HeadsConfig, model_config: ModelConfig, head_param
 
 
 def distill_loss(heads_config, model_config, config: DistillConfig, head_params, policy_params,
-                 batch: HeadPairs):
+                 batch: DistillPairs):
   kl, ce, count = head_losses(heads_config, model_config, head_params, policy_params, batch)
   weights = config.head_decay ** jnp.arange(1, heads_config.num_heads + 1)
   per_head = (kl + config.ce_weight * ce) / jnp.maximum(count, 1)
@@ -137,7 +137,7 @@ def make_optimizer(config: DistillConfig) -> optax.GradientTransformation:
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def train_step(heads_config, model_config, config: DistillConfig, optimizer, head_params,
-               opt_state, policy_params, batch: HeadPairs):
+               opt_state, policy_params, batch: DistillPairs):
   loss, grads = jax.value_and_grad(
       lambda hp: distill_loss(heads_config, model_config, config, hp, policy_params, batch))(
           head_params)
@@ -147,7 +147,7 @@ def train_step(heads_config, model_config, config: DistillConfig, optimizer, hea
 
 @partial(jax.jit, static_argnums=(0, 1, 4))
 def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params, policy_params,
-              ranks: int, batch: HeadPairs):
+              ranks: int, batch: DistillPairs):
   """Per head and rank r < `ranks`: how often the realised x_{t+k+1} is head k's rank-r token.
 
   Returns (hits [H, ranks], count [H]); hits[:, 0] / count is top-1 agreement, and the rates
@@ -171,7 +171,7 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
 
 
 def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_k: int,
-                  chunk: int = 16) -> HeadPairs:
+                  chunk: int = 16) -> DistillPairs:
   """build_batch over chunks of sequences (bounded memory), concatenated on the host.
 
   16 sequences per forward: on SmolLM2 (330-token rows) the forward peaked at 1.66 GB
@@ -181,7 +181,7 @@ def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_
   return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
 
 
-def optax_loop(step, params, opt_state, train: HeadPairs, steps: int, batch_size: int,
+def optax_loop(step, params, opt_state, train: DistillPairs, steps: int, batch_size: int,
                seed: int, desc: str):
   """`steps` calls of step(params, opt_state, batch) -> (params, opt_state, loss) on random
   batches of `batch_size` rows of `train`, with a progress bar; (params, opt_state, loss)."""
@@ -196,7 +196,7 @@ def optax_loop(step, params, opt_state, train: HeadPairs, steps: int, batch_size
   return params, opt_state, float(loss)
 
 
-def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: HeadPairs,
+def train_heads(policy, heads_config: HeadsConfig, config: DistillConfig, train: DistillPairs,
                 seed: int = 0, init_params=None):
   """Optax training of the head pytree alone; returns (head params, last loss)."""
   params = init_params if init_params is not None else init_heads(heads_config, policy.config,
@@ -229,7 +229,7 @@ class WarmStartResult:
   rank_hit_rate_after: np.ndarray
 
 
-def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[HeadPairs, HeadPairs]:
+def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[DistillPairs, DistillPairs]:
   """(training, held-out) pairs over the policy's own generations from `prompts`: the
   response spans, with the policy's top-`top_k` targets at every position."""
   total = plan.num_sequences + plan.held_out

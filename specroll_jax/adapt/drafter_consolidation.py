@@ -26,7 +26,7 @@ from specroll_jax.adapt.consolidation import (ConsolidationConfig, make_optimize
 from specroll_jax.adapt.drafter_training import DrafterTraining, depth_losses, drafter_loss
 from specroll_jax.model.mesh import to_host
 from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams
-from specroll_jax.speculative.pairs import HeadPairs
+from specroll_jax.speculative.pairs import DistillPairs
 
 
 def _proximal(weights, anchor):
@@ -38,7 +38,7 @@ def _proximal(weights, anchor):
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _train(config: DrafterConfig, model_config, training: DrafterTraining,
            consolidation: ConsolidationConfig, weights, opt_state, vocab_ids, policy_params,
-           batch: HeadPairs, order):
+           batch: DistillPairs, order):
   """`order` [steps, batch_size] row indices. Returns (weights, optimizer state, last loss)."""
   loss = lambda w, minibatch: (
       drafter_loss(config, model_config, training, w, vocab_ids, policy_params, minibatch)
@@ -48,7 +48,7 @@ def _train(config: DrafterConfig, model_config, training: DrafterTraining,
 
 @partial(jax.jit, static_argnums=(0, 1))
 def held_out_losses(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
-                    batch: HeadPairs):
+                    batch: DistillPairs):
   """Mean soft cross-entropy per depth [depth] on held-out pairs."""
   loss, count = depth_losses(config, model_config, params, policy_params, batch)
   return loss / jnp.maximum(count, 1)
@@ -71,7 +71,7 @@ class DrafterConsolidation:
 
 def consolidate(config: DrafterConfig, model_config, training: DrafterTraining,
                 consolidation: ConsolidationConfig, params: DrafterParams, opt_state,
-                policy_params, pairs: HeadPairs, seed: int, groups=None) -> DrafterConsolidation:
+                policy_params, pairs: DistillPairs, seed: int, groups=None) -> DrafterConsolidation:
   """Trains the drafter's block on `pairs` (the pre-update policy's harvest, so
   `policy_params` must be that policy's); `groups` [rows] are the rows' prompts (see
   consolidation.split_rows). A rejected update also keeps the old Adam moments, so it does

@@ -24,7 +24,7 @@ from specroll_jax.model.transformer import Transformer
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
                                        drafter_step, init_drafter, save_drafter)
-from specroll_jax.speculative.pairs import HeadPairs, shifted
+from specroll_jax.speculative.pairs import DistillPairs, shifted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DrafterTraining:
 
 
 def _unrolled_states(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
-                     policy_params, batch: HeadPairs):
+                     policy_params, batch: DistillPairs):
   """Each depth's teacher-forced state ([depth] of z_d [B, T, D]) and the policy's projection
   rows of the draft vocabulary [V_d, D]."""
   model = Transformer(model_config)
@@ -56,7 +56,7 @@ def _unrolled_states(config: DrafterConfig, model_config: ModelConfig, params: D
 
 
 def _unrolled_logits(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
-                     policy_params, batch: HeadPairs):
+                     policy_params, batch: DistillPairs):
   """Draft-vocabulary log-probs of each depth, teacher-forced: [depth] of [B, T, V_d]."""
   return _log_probs(*_unrolled_states(config, model_config, params, policy_params, batch))
 
@@ -65,12 +65,12 @@ def _log_probs(states, draft_rows):
   return [jax.nn.log_softmax(z @ draft_rows.T, axis=-1) for z in states]
 
 
-def _scored(batch: HeadPairs, d: int):
+def _scored(batch: DistillPairs, d: int):
   """Depth d at t is scored where x_{t+d} is a real token (the policy's law at t + d exists)."""
   return batch.valid & shifted(batch.valid, d)
 
 
-def _soft_cross_entropy(params: DrafterParams, logits, batch: HeadPairs):
+def _soft_cross_entropy(params: DrafterParams, logits, batch: DistillPairs):
   """Per depth (soft cross-entropy sum, positions) from the depths' log-probs."""
   losses, counts = [], []
   for d, logq in enumerate(logits, start=1):
@@ -84,13 +84,13 @@ def _soft_cross_entropy(params: DrafterParams, logits, batch: HeadPairs):
 
 
 def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
-                 policy_params, batch: HeadPairs):
+                 policy_params, batch: DistillPairs):
   """Per depth (soft cross-entropy sum, positions)."""
   return _soft_cross_entropy(
       params, _unrolled_logits(config, model_config, params, policy_params, batch), batch)
 
 
-def _feature_losses(states, batch: HeadPairs):
+def _feature_losses(states, batch: DistillPairs):
   """Per depth, the smooth L1 distance of z_d to the policy's hidden state at t + d, summed
   over scored positions [depth]."""
   out = []
@@ -102,7 +102,7 @@ def _feature_losses(states, batch: HeadPairs):
 
 @partial(jax.jit, static_argnums=(0, 1))
 def feature_distances(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
-                      batch: HeadPairs):
+                      batch: DistillPairs):
   """Per depth, the mean smooth L1 distance of the teacher-forced z_d to the policy's hidden
   state at t + d [depth]."""
   states, _ = _unrolled_states(config, model_config, params, policy_params, batch)
@@ -111,7 +111,7 @@ def feature_distances(config: DrafterConfig, model_config, params: DrafterParams
 
 
 def drafter_loss(config: DrafterConfig, model_config, training: DrafterTraining, weights,
-                 vocab_ids, policy_params, batch: HeadPairs):
+                 vocab_ids, policy_params, batch: DistillPairs):
   params = DrafterParams(weights=weights, vocab_ids=vocab_ids)
   states, draft_rows = _unrolled_states(config, model_config, params, policy_params, batch)
   loss, count = _soft_cross_entropy(params, _log_probs(states, draft_rows), batch)
@@ -123,7 +123,7 @@ def drafter_loss(config: DrafterConfig, model_config, training: DrafterTraining,
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def train_step(config, model_config, training: DrafterTraining, optimizer, weights, opt_state,
-               vocab_ids, policy_params, batch: HeadPairs):
+               vocab_ids, policy_params, batch: DistillPairs):
   loss, grads = jax.value_and_grad(
       lambda w: drafter_loss(config, model_config, training, w, vocab_ids, policy_params,
                              batch))(weights)
@@ -133,7 +133,7 @@ def train_step(config, model_config, training: DrafterTraining, optimizer, weigh
 
 @partial(jax.jit, static_argnums=(0, 1))
 def agreement(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
-              batch: HeadPairs):
+              batch: DistillPairs):
   """Per depth, teacher-forced: (top-1 draft == the drawn x_{t+d+1} count, the policy's
   probability of the top-1 draft summed, positions). The second is the chance that the walk
   at T = 1 accepts the draft, at the depth's true context."""
@@ -152,7 +152,7 @@ def agreement(config: DrafterConfig, model_config, params: DrafterParams, policy
 
 @partial(jax.jit, static_argnums=(0, 1, 5))
 def drawn_ranks(config: DrafterConfig, model_config, params: DrafterParams, policy_params,
-                batch: HeadPairs, ranks: int):
+                batch: DistillPairs, ranks: int):
   """int32 [B, T, depth]: the rank of the drawn x_{t+d+1} in depth d's teacher-forced law
   (`ranks` where it is below the top `ranks`, outside the draft vocabulary, or past the
   sequence). Along a path of drawn tokens the teacher-forced law is the one the drafter
@@ -167,21 +167,21 @@ def drawn_ranks(config: DrafterConfig, model_config, params: DrafterParams, poli
   return jnp.stack(out, axis=-1)
 
 
-def agreement_rates(config, model_config, params, policy_params, held: HeadPairs):
+def agreement_rates(config, model_config, params, policy_params, held: DistillPairs):
   """(top-1 agreement [depth], top-1 policy mass [depth]) on held-out pairs."""
   hits, mass, counts = (np.asarray(x) for x in agreement(config, model_config, params,
                                                          policy_params, held))
   return hits / np.maximum(counts, 1), mass / np.maximum(counts, 1)
 
 
-def vocabulary_coverage(vocab_ids, held: HeadPairs) -> float:
+def vocabulary_coverage(vocab_ids, held: DistillPairs) -> float:
   """The share of held-out drawn tokens that the draft vocabulary holds: a ceiling on the
   drafter's agreement (the rest it can never draft)."""
   tokens, valid = np.asarray(held.tokens), np.asarray(held.valid)
   return float(np.mean(np.isin(tokens[:, 1:][valid[:, 1:]], np.asarray(vocab_ids))))
 
 
-def train_drafter(policy, config: DrafterConfig, training: DrafterTraining, train: HeadPairs,
+def train_drafter(policy, config: DrafterConfig, training: DrafterTraining, train: DistillPairs,
                   seed: int = 0, init_params: DrafterParams | None = None):
   """Optax training of the block alone over `train`; the draft vocabulary is the most
   frequent next tokens of `train` unless `init_params` brings one. Returns (params, loss)."""

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from specroll_jax.speculative.head_proposer import HeadStats
+from specroll_jax.speculative.head_proposer import DepthStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class WindowStats:
   proposed: np.ndarray  # bool: the head proposed at a depth the verifier drew this window
 
 
-def window_stats(heads: list[HeadStats], branching) -> WindowStats:
+def window_stats(heads: list[DepthStats], branching) -> WindowStats:
   """Per head over a batch of speculative responses' head statistics (numpy leaves)."""
   reached = np.sum([s.reached for s in heads], axis=0)
   hits = np.sum([s.hits for s in heads], axis=0)

@@ -14,13 +14,13 @@ from flax import struct
 
 from specroll_jax.adapt import reflex
 from specroll_jax.adapt.reflex import ReflexConfig, ReflexState, ReflexTrace
-from specroll_jax.speculative.head_proposer import HeadGuesses, HeadProposer, HeadStats
+from specroll_jax.speculative.head_proposer import DepthStats, HeadGuesses, HeadProposer
 from specroll_jax.speculative.proposer import Feedback, Proposal, Proposer, StepContext
 
 
 @struct.dataclass
 class ReflexProposerState:
-  heads: HeadStats
+  heads: DepthStats
   reflex: ReflexState
 
 
@@ -33,7 +33,7 @@ class ReflexRecord:
 
 @struct.dataclass
 class ReflexRowStats:
-  heads: HeadStats
+  heads: DepthStats
   reflex: ReflexTrace
   matured: jax.Array  # float32 [B, H] feedbacks each head received
 
@@ -100,7 +100,7 @@ class ReflexProposer(Proposer):
     return ReflexRowStats(heads=state.heads, reflex=state.reflex.trace,
                           matured=state.reflex.matured)
 
-  def head_stats(self, stats: ReflexRowStats) -> HeadStats:
+  def head_stats(self, stats: ReflexRowStats) -> DepthStats:
     return stats.heads
 
   def summarize(self, stats: list, steps: list) -> dict:

@@ -44,7 +44,7 @@ class ModelConfig:
   # With bfloat16 parameters: every activation (and the KV cache) in float32, the weights
   # upcast where they are used, so tokens are decided as a float32 model would decide
   # them. False = every activation bf16. Measured against each other, and against bf16
-  # matmul inputs with float32 accumulation, in experiments.measure_bf16 (notes/history.md,
+  # matmul inputs with float32 accumulation, in experiments.measure.bf16 (notes/history.md,
   # "bfloat16: float32 decisions"). No effect in float32.
   float32_decisions: bool = True
   # 'bfloat16': every matmul takes bf16 inputs and accumulates in float32, every parameter

@@ -83,6 +83,19 @@ class LearnedProposerKind(abc.ABC):
     """The engine's proposer (speculative/proposer.py) drafting with it."""
 
   @abc.abstractmethod
+  def is_saved(self, directory: Path) -> bool:
+    """Whether `directory` holds one of this kind (a warm start or experiments.train_heads)."""
+
+  @abc.abstractmethod
+  def load(self, policy: Policy, directory: Path) -> WarmStarted:
+    """The saved one in `directory`; errors name the file and tensor at fault."""
+
+  @abc.abstractmethod
+  def drafting(self, policy: Policy, warm: WarmStarted, sampler, branching: tuple):
+    """A static proposer drafting `branching` candidate ranks per depth, outside a run
+    (experiments.generate)."""
+
+  @abc.abstractmethod
   def adaptation(self, policy: Policy, config: RunConfig, warm: WarmStarted,
                  proposer) -> Adaptation:
     """Its slow path in the run."""

@@ -51,12 +51,20 @@ class DrafterKind(LearnedProposerKind):
                          task_prompts[:d.num_sequences + d.held_out],
                          config.warm_start_plan(d.num_sequences, d.held_out), directory,
                          str(source))
-    drafter_config, params = load_drafter(directory, policy.config)
-    return WarmStarted(drafter_config, params, directory)
+    return self.load(policy, directory)
 
   def proposer(self, policy: Policy, config: RunConfig, warm: WarmStarted):
-    return DrafterProposer(policy.config, warm.config, spine_paths(config.drafter.branching),
-                           config.rollout.sampler)
+    return self.drafting(policy, warm, config.rollout.sampler, config.drafter.branching)
+
+  def is_saved(self, directory: Path) -> bool:
+    return has_drafter(directory)
+
+  def load(self, policy: Policy, directory: Path) -> WarmStarted:
+    drafter_config, params = load_drafter(directory, policy.config)
+    return WarmStarted(drafter_config, params, Path(directory))
+
+  def drafting(self, policy: Policy, warm: WarmStarted, sampler, branching: tuple):
+    return DrafterProposer(policy.config, warm.config, spine_paths(tuple(branching)), sampler)
 
   def adaptation(self, policy: Policy, config: RunConfig, warm: WarmStarted,
                  proposer) -> DrafterAdaptation:

@@ -28,7 +28,7 @@ from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
 from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rl import lora
-from specroll_jax.speculative.pairs import HeadPairs, span_positions, take_positions, top_targets
+from specroll_jax.speculative.pairs import DistillPairs, span_positions, take_positions, top_targets
 
 AGGREGATIONS = ('token-mean', 'sequence-mean')
 
@@ -250,7 +250,7 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
       span_logits = (take_positions(logits, projected) if logits is not None and not score_span
                      else _project(config, params, take_positions(hidden, projected)))
     ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
-    pairs = HeadPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
+    pairs = DistillPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
                       target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)
   return shift(logp), shift(entropy), pairs
 
@@ -357,7 +357,7 @@ def accumulated_gradients(model_config: ModelConfig, config: GRPOConfig, params,
   Only one micro-batch's activations are live at a time, and every micro-batch has the
   same shapes, so one compilation serves any number of them. Gradients are summed in
   float32 and returned in the parameters' dtype. Returns (grads, metrics, pairs): pairs is
-  the slow path's HeadPairs over all rows when config.harvest_top_k > 0, else None.
+  the slow path's DistillPairs over all rows when config.harvest_top_k > 0, else None.
   `params` are what is trained: the policy, or LoRA adapters on the frozen `base`. With a
   mesh, each micro-batch's rows are split over the mesh's row axes (without the constraint
   a micro-batch would sit on the devices that held its rows of the whole batch).

@@ -15,7 +15,8 @@ from specroll_jax.model.mesh import HEAD_RULES, head_sharding, optimizer_shardin
 from specroll_jax.rl.adaptation import (Adaptation, LearnedProposerKind, ProposerMemory,
                                         ProposerState, WarmStarted)
 from specroll_jax.speculative.factory import head_proposer
-from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads
+from specroll_jax.speculative.head_proposer import HeadDraftConfig
+from specroll_jax.speculative.heads import HeadsConfig, HorizonHeads, has_heads, load_heads
 
 if TYPE_CHECKING:
   from specroll_jax.model.config import ModelConfig
@@ -50,6 +51,17 @@ class HeadsKind(LearnedProposerKind):
     if config.adaptation.mode in ('reflex', 'both'):
       proposer = ReflexProposer(proposer, config.adaptation.reflex)
     return proposer
+
+  def is_saved(self, directory: Path) -> bool:
+    return has_heads(directory)
+
+  def load(self, policy: Policy, directory: Path) -> WarmStarted:
+    heads_config, params = load_heads(directory, policy.config)
+    return WarmStarted(heads_config, params, Path(directory))
+
+  def drafting(self, policy: Policy, warm: WarmStarted, sampler, branching: tuple):
+    return head_proposer(policy, warm.config, warm.directory, sampler,
+                         HeadDraftConfig(tuple(branching)))
 
   def adaptation(self, policy: Policy, config: RunConfig, warm: WarmStarted,
                  proposer) -> HeadAdaptation:

@@ -27,6 +27,15 @@ def parse_proposers(names: str) -> tuple:
   return chosen
 
 
+def saved_kind_name(directory) -> str:
+  """The kind of learned proposer saved in `directory`."""
+  found = [name for name, kind in KINDS.items() if kind.is_saved(directory)]
+  if len(found) != 1:
+    raise ValueError(f'{directory}: expected one saved learned proposer ({", ".join(KINDS)}), '
+                     f'found {found or "none"}')
+  return found[0]
+
+
 def learned_kind_name(names: tuple) -> str | None:
   """The learned kind among parsed `names`, or None (group drafts alone)."""
   return next((n for n in names if n in KINDS), None)

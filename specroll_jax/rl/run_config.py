@@ -69,7 +69,7 @@ class TaskSection:
 @dataclasses.dataclass(frozen=True)
 class TreeSection:
   """rollout.tree: TreeConfig's own fields; capacity_tokens 0 = this model's profiled
-  capacity (experiments.profile_capacity, cached)."""
+  capacity (experiments.profile.capacity, cached)."""
   max_nodes: int = TreeConfig.max_nodes
   capacity_tokens: int = 0
 

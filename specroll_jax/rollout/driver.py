@@ -30,7 +30,7 @@ class RolloutConfig:
   max_new_tokens: int
   max_batch: int = 64
   # The smallest bucket compaction goes down to: every bucket is one more compiled loop, so
-  # a measurement of one bucket (experiments.bench_drafts) keeps its rows there to the end.
+  # a measurement of one bucket (experiments.bench.drafts) keeps its rows there to the end.
   min_batch: int = 1
   prompt_bucket_min: int = 16
   prompt_buckets_per_octave: int = 1

@@ -12,13 +12,13 @@ The spine (`spine_paths`) hangs each depth's top-k below the previous depth's be
 one block step per depth, the cheapest tree. At T = 1 the best guess carries ~0.3 of the
 policy's mass on SmolLM2 (notes/history.md, issue 29), so most accepted paths leave the spine
 after their first step; a tree chosen from the drafter's own held-out rank paths
-(experiments.measure_drafter_trees) expands the lower ranks that are drawn often enough.
+(experiments.measure.drafter_trees) expands the lower ranks that are drawn often enough.
 Its shape stays static, so the tree builder, group drafts and the walk see fixed parents.
 
 An edge's score is the drafter's own probability of the token under the sampler: the
 drafter is trained to match the policy's distribution at that position, so it is the
 estimated chance that the verifier draws it. Per-(depth, rank) verifier statistics are kept
-per row (HeadStats, for reports) along the first expanded candidate of each depth (the
+per row (DepthStats, for reports) along the first expanded candidate of each depth (the
 spine's best-guess path); the heads' scores blend in those online rates because heads that
 cannot see the root are miscalibrated by construction, the drafter's are not.
 
@@ -39,7 +39,7 @@ import numpy as np
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.rollout import sampling
 from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, drafter_step
-from specroll_jax.speculative.head_proposer import HeadGuesses, HeadStats
+from specroll_jax.speculative.head_proposer import DepthStats, HeadGuesses
 from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
 
 
@@ -114,9 +114,9 @@ class DrafterProposer(Proposer):
   def num_candidates(self) -> int:
     return len(self.paths)
 
-  def init(self, prompt_tokens, seqs) -> HeadStats:
+  def init(self, prompt_tokens, seqs) -> DepthStats:
     del prompt_tokens
-    return HeadStats.zeros(seqs.done.shape[0], self.depth, int(self.layout.top_k.max()))
+    return DepthStats.zeros(seqs.done.shape[0], self.depth, int(self.layout.top_k.max()))
 
   def _laws(self, params: DrafterParams, context: StepContext, levels: int):
     """Per depth d <= levels, the top tokens and probabilities of the laws of depth d - 1's
@@ -138,7 +138,7 @@ class DrafterProposer(Proposer):
                        z[:, layout.expanded_slot[d]], context.vocab.embed(tokens))
     return laws
 
-  def propose(self, params: DrafterParams, state: HeadStats, context: StepContext,
+  def propose(self, params: DrafterParams, state: DepthStats, context: StepContext,
               levels: int) -> Proposal:
     del state
     layout, batch = self.layout, context.root.shape[0]
@@ -161,14 +161,14 @@ class DrafterProposer(Proposer):
                                           parent=self.layout.parent),
                     record=record)
 
-  def observe(self, params, state: HeadStats, context, proposal: Proposal,
-              feedback: Feedback) -> HeadStats:
+  def observe(self, params, state: DepthStats, context, proposal: Proposal,
+              feedback: Feedback) -> DepthStats:
     del params, context
     return state.record(proposal.record, feedback, tuple(int(k) for k in self.layout.top_k))
 
-  def row_stats(self, state: HeadStats) -> HeadStats:
+  def row_stats(self, state: DepthStats) -> DepthStats:
     return state
 
-  def head_stats(self, stats: HeadStats) -> HeadStats:
+  def head_stats(self, stats: DepthStats) -> DepthStats:
     """Per-depth statistics along the first expanded candidates (what the slow path reads)."""
     return stats

@@ -163,7 +163,7 @@ class SpecEngine(Engine):
     cond, XLA:CPU copied the cache layers in the loops inside its branches on every step
     (the compiled W1 loop held 24 copies of [B, KVH, S, Dh] layers, now 6, the same as the
     engine without a gate), and the main job's gated rollouts ran at 0.78x of vanilla with
-    3.7% tree steps; with the two loops, 0.97x (experiments.bench_rollout_variants). Either
+    3.7% tree steps; with the two loops, 0.97x (experiments.bench.rollout_variants). Either
     loop may run no step; one of them always runs at least one, since a step either pays
     or does not.
     """
@@ -180,7 +180,7 @@ class SpecEngine(Engine):
                                 lambda s: self.plain_step(params, s, seed_key), state)
 
   def tree_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
-    """One speculative step; each stage is a named scope (experiments.profile_step's rows)."""
+    """One speculative step; each stage is a named scope (experiments.profile.step's rows)."""
     seqs, tc, depth = state.seqs, self.tree_config, self.proposer.depth
     batch, running = seqs.done.shape[0], ~seqs.done
     width, levels = self.tree_width(batch), self.tree_levels(batch)

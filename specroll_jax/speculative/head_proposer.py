@@ -5,7 +5,7 @@ candidate gets the same children: the top `branching[d-1]` tokens of head d. The
 candidates are therefore every path of head ranks (`CandidateTable`, static). An edge's
 score estimates its acceptance as a blend of the head's own probability (dynamic, per
 response) and the running rate at which the verifier drew that (head, rank) token for this
-row (`HeadStats`, seeded by the warm start's held-out hit rates).
+row (`DepthStats`, seeded by the warm start's held-out hit rates).
 """
 import dataclasses
 from functools import cached_property
@@ -74,14 +74,15 @@ class HeadDraftConfig:
 
 
 @struct.dataclass
-class HeadStats:
-  """Per-row verifier feedback on the heads: where the walk drew, and which rank it matched."""
+class DepthStats:
+  """Per-row verifier feedback per draft depth (a head, or a drafter depth along its spine):
+  where the walk drew, and which rank it matched."""
   reached: jax.Array         # float32 [B, H] draws at depth d while head d proposed
   hits: jax.Array            # float32 [B, H, K] of those, draws equal to head d's rank-r token
   candidate_mass: jax.Array  # float32 [B, H] policy mass on head d's candidates, where reached
 
   @classmethod
-  def zeros(cls, batch: int, depth: int, top_k: int) -> 'HeadStats':
+  def zeros(cls, batch: int, depth: int, top_k: int) -> 'DepthStats':
     return cls(reached=jnp.zeros((batch, depth)), hits=jnp.zeros((batch, depth, top_k)),
                candidate_mass=jnp.zeros((batch, depth)))
 
@@ -89,7 +90,7 @@ class HeadStats:
     """[B, H, K] running rate of (head, rank) hits, shrunk toward `prior` [H, K]."""
     return (self.hits + prior_strength * prior) / (self.reached[..., None] + prior_strength)
 
-  def record(self, guesses: 'HeadGuesses', feedback: Feedback, branching) -> 'HeadStats':
+  def record(self, guesses: 'HeadGuesses', feedback: Feedback, branching) -> 'DepthStats':
     reached = feedback.in_tree & guesses.proposed
     hits = reached[..., None] & (guesses.tokens == feedback.drawn[..., None])
     top_k = guesses.tokens.shape[-1]
@@ -97,7 +98,7 @@ class HeadStats:
     on_candidates = jnp.any((feedback.target_ids[..., None] == guesses.tokens[:, :, None, :])
                             & in_candidates[None, :, None, :], axis=-1)
     mass = jnp.sum(jnp.where(on_candidates, feedback.target_probs, 0.0), axis=-1)
-    return HeadStats(reached=self.reached + reached, hits=self.hits + hits,
+    return DepthStats(reached=self.reached + reached, hits=self.hits + hits,
                      candidate_mass=self.candidate_mass + jnp.where(reached, mass, 0.0))
 
 
@@ -116,7 +117,7 @@ class HeadProposer(Proposer):
   draft: HeadDraftConfig
   sampler: sampling.SamplerConfig
   prior_accept: tuple | None = None  # [H][K] initial acceptance rates; None: head probs only
-  # The policy's top tokens per drawn depth that HeadStats.candidate_mass sums over (the
+  # The policy's top tokens per drawn depth that DepthStats.candidate_mass sums over (the
   # slow-path monitor's regret, adapt/monitor.py).
   feedback_top_m: int = 32
 
@@ -133,9 +134,9 @@ class HeadProposer(Proposer):
   def num_candidates(self) -> int:
     return self.draft.table.size
 
-  def init(self, prompt_tokens, seqs) -> HeadStats:
+  def init(self, prompt_tokens, seqs) -> DepthStats:
     del prompt_tokens
-    return HeadStats.zeros(seqs.done.shape[0], self.depth, self.draft.top_k)
+    return DepthStats.zeros(seqs.done.shape[0], self.depth, self.draft.top_k)
 
   def head_states(self, params, hidden, levels: int):
     """z [B, levels, D]: the first `levels` heads' hidden outputs (a tree of N slots never
@@ -162,7 +163,7 @@ class HeadProposer(Proposer):
       prior[:measured.shape[0], :measured.shape[1]] = measured
     return jnp.asarray(prior)
 
-  def candidates(self, guesses: HeadGuesses, stats: HeadStats) -> Candidates:
+  def candidates(self, guesses: HeadGuesses, stats: DepthStats) -> Candidates:
     d = self.draft
     rate = stats.acceptance_rate(self._prior(), d.prior_strength)
     edge = d.head_weight * guesses.probs + (1.0 - d.head_weight) * rate
@@ -170,18 +171,18 @@ class HeadProposer(Proposer):
     return Candidates(tokens=guesses.tokens[:, depth, rank], scores=edge[:, depth, rank],
                       parent=tuple(int(p) for p in d.table.parent))
 
-  def propose(self, params, state: HeadStats, context: StepContext, levels: int) -> Proposal:
+  def propose(self, params, state: DepthStats, context: StepContext, levels: int) -> Proposal:
     guesses = self.guesses(self.head_states(params, context.hidden, levels), context)
     return Proposal(candidates=self.candidates(guesses, state), record=guesses)
 
-  def observe(self, params, state: HeadStats, context, proposal: Proposal,
-              feedback: Feedback) -> HeadStats:
+  def observe(self, params, state: DepthStats, context, proposal: Proposal,
+              feedback: Feedback) -> DepthStats:
     del params, context
     return state.record(proposal.record, feedback, self.draft.branching)
 
-  def row_stats(self, state: HeadStats) -> HeadStats:
+  def row_stats(self, state: DepthStats) -> DepthStats:
     return state
 
-  def head_stats(self, stats: HeadStats) -> HeadStats:
+  def head_stats(self, stats: DepthStats) -> DepthStats:
     """The heads' part of this proposer's row statistics (what the slow path reads)."""
     return stats

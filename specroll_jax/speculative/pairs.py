@@ -1,4 +1,5 @@
-"""Head-training pairs: the policy's hidden states with its own top-K next-token targets.
+"""Distillation pairs for any learned proposer (heads, drafter): the policy's hidden states
+with its own top-K next-token targets.
 
 Warm start (adapt.distill), the slow path (adapt.consolidation) and the GRPO learner's
 forward (rl.grpo, which harvests them at no extra policy forward) all produce or consume
@@ -12,7 +13,7 @@ from flax import struct
 
 
 @struct.dataclass
-class HeadPairs:
+class DistillPairs:
   hidden: jax.Array       # [B, T, D] policy hidden states
   target_ids: jax.Array   # int32 [B, T, K] policy's top-K next-token ids at each position
   target_logp: jax.Array  # float32 [B, T, K] their log-probs (renormalised over the K)
@@ -45,7 +46,7 @@ def take_positions(x, index):
 
 
 @partial(jax.jit, static_argnums=2)
-def response_spans(pairs: HeadPairs, starts, length: int) -> HeadPairs:
+def response_spans(pairs: DistillPairs, starts, length: int) -> DistillPairs:
   """Rows' positions [start, start + length): with start = the last prompt position this is
   every pair whose horizon lies in the response, at a fraction of a full-width batch's
   cost (prompts are most of a row's width in math tasks)."""

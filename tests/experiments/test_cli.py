@@ -24,7 +24,8 @@ def _generate(tmp_path, engine, *extra):
 def test_generate_cli_engines_agree(tmp_path, stories_policy):
   save_heads(tmp_path / 'heads', HeadsConfig(), init_heads(HeadsConfig(), stories_policy.config))
   vanilla = _generate(tmp_path, 'vanilla')
-  spec = _generate(tmp_path, 'specroll', f'--heads={tmp_path / "heads"}', '--capacity_tokens=64')
+  spec = _generate(tmp_path, 'specroll', f'--proposer_dir={tmp_path / "heads"}',
+                   '--capacity_tokens=64')
   assert len(vanilla) == 8
   assert {'prompt_index', 'sample_index', 'token_ids', 'text', 'logprobs',
           'finish_reason'} <= set(vanilla[0])

@@ -10,8 +10,8 @@ from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.trainer import train
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.tasks.data import load_dataset
-from experiments.common import trainer_part
-from experiments.workloads import ENGINE_NAMES, drafter_config, warm_started_drafts
+from experiments.lib.common import trainer_part
+from experiments.lib.workloads import ENGINE_NAMES, drafter_config, warm_started_drafts
 from tests.conftest import FIXTURE_DATA
 
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]

@@ -1,8 +1,8 @@
-"""Static trees of rank paths (experiments.rank_trees) on hand-made draw ranks."""
+"""Static trees of rank paths (experiments.lib.rank_trees) on hand-made draw ranks."""
 import numpy as np
 import pytest
 
-from experiments.rank_trees import (RANKS, best_tree, drafter_rank_paths, held_out_tau, is_spine,
+from experiments.lib.rank_trees import (RANKS, best_tree, drafter_rank_paths, held_out_tau, is_spine,
                                    rank_paths, tree_tau)
 
 

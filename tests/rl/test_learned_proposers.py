@@ -1,15 +1,17 @@
 """The learned-proposer registry: every kind implements the whole interface, and the run's
 proposer, adaptation state and memory part come from it for any kind (stories260K, fresh
 parameters in place of a warm start, which the trainer tests run)."""
+import jax
 import numpy as np
 import pytest
 
 from configs.tiny_math import get_config
 from specroll_jax.model.mesh import MeshConfig, make_mesh
 from specroll_jax.rl.adaptation import ProposerState, WarmStarted
-from specroll_jax.rl.learned_proposers import KINDS, PROPOSERS, parse_proposers
+from specroll_jax.rl.learned_proposers import KINDS, PROPOSERS, parse_proposers, saved_kind_name
 from specroll_jax.rl.rollouts import make_proposer
 from specroll_jax.rl.run_config import run_config
+from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import init_drafter, save_drafter
 from specroll_jax.speculative.group_proposer import GroupProposer
 from specroll_jax.speculative.heads import init_heads, save_heads
@@ -60,3 +62,21 @@ def test_reflex_is_offered_only_where_a_kind_supports_it(kind):
   else:
     with pytest.raises(ValueError, match=f'does not apply to the {kind}'):
       _config(kind, 'both')
+
+
+@pytest.mark.parametrize('kind', sorted(KINDS))
+def test_a_saved_proposer_is_found_loaded_and_drafts_by_its_kind(kind, stories_policy,
+                                                                  tmp_path):
+  warm = _fresh(kind, _config(kind, 'static'), stories_policy, tmp_path)
+  assert saved_kind_name(tmp_path) == kind
+  loaded = KINDS[kind].load(stories_policy, tmp_path)
+  assert loaded.config == warm.config
+  for saved, read in zip(jax.tree.leaves(warm.params), jax.tree.leaves(loaded.params)):
+    np.testing.assert_array_equal(np.asarray(saved), np.asarray(read))
+  proposer = KINDS[kind].drafting(stories_policy, loaded, SamplerConfig(), (2, 1))
+  assert proposer.depth == 2
+
+
+def test_a_directory_without_a_saved_proposer_is_an_error_naming_it(tmp_path):
+  with pytest.raises(ValueError, match=f'{tmp_path}: expected one saved learned proposer'):
+    saved_kind_name(tmp_path)

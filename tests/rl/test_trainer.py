@@ -3,7 +3,6 @@ import json
 import random
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -12,7 +11,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from tensorboardX.proto.event_pb2 import Event
 
 from configs import smol_grpo
 from configs.tiny_math import get_config
@@ -22,6 +20,7 @@ from specroll_jax.rl.trainer import train
 from specroll_jax.speculative.drafter import DrafterConfig, load_drafter
 from specroll_jax.tasks.rewards import REWARD_RULES
 from tests.conftest import FIXTURE_DATA, REPO, STORIES
+from tests.tensorboard_events import read_events
 
 # stories260K never answers a math question, so rewards (and advantages) are zero; weight
 # decay still moves the policy every step, so later rollouts come from changed weights.
@@ -229,20 +228,9 @@ def test_metrics_cut_short_by_a_kill_are_dropped_on_resume(tmp_path):
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
-def _events(events_file):
-  """The Event records of a TensorBoard event file (TFRecord framing: a little-endian
-  uint64 length, its CRC, the record, the record's CRC)."""
-  data, offset, events = events_file.read_bytes(), 0, []
-  while offset < len(data):
-    (length,) = struct.unpack('<Q', data[offset:offset + 8])
-    events.append(Event.FromString(data[offset + 12:offset + 12 + length]))
-    offset += 12 + length + 4
-  return events
-
-
 def _scalar_events(workdir):
   return [(e.step, v.tag, v.simple_value)
-          for f in sorted((workdir / EVENTS_DIR).iterdir()) for e in _events(f)
+          for f in sorted((workdir / EVENTS_DIR).iterdir()) for e in read_events(f)
           for v in e.summary.value]
 
 
@@ -259,7 +247,7 @@ def test_a_resumed_log_purges_the_steps_after_its_checkpoint(tmp_path):
     first.append({'step': step, 'reward': 0.5})
   first.close()
   MetricsLog(tmp_path / 'metrics.jsonl', 2, primary=True).close()
-  resumed = _events(sorted((tmp_path / EVENTS_DIR).iterdir())[-1])
+  resumed = read_events(sorted((tmp_path / EVENTS_DIR).iterdir())[-1])
   # TensorBoard drops the earlier files' events from this step on.
   assert [e.step for e in resumed if e.HasField('session_log')] == [3]
 

@@ -1,6 +1,6 @@
 """Fuzzed exactness: the speculative engine against vanilla on random cases.
 
-  python -m experiments.fuzz_exactness --cases=200 --out_dir=results/fuzz_exactness
+  python -m experiments.measure.fuzz_exactness --cases=200 --out_dir=results/fuzz_exactness
 
 A case is a random tiny policy (vocabulary, width, depth, attention heads, tied or not, how
 peaked its next-token distributions are), random draft heads (fresh, random or
@@ -17,10 +17,7 @@ cases come from one hypothesis strategy, which `tests/speculative/test_fuzz_exac
 also runs (a few cases per suite run); this script runs many and commits what it saw.
 """
 import dataclasses
-import json
-import sys
 import time
-from pathlib import Path
 
 import hypothesis
 import jax
@@ -34,7 +31,7 @@ from specroll_jax.adapt.reflex_proposer import ReflexProposer
 from specroll_jax.model.config import ModelConfig, RopeConfig
 from specroll_jax.model.policy import Policy
 from specroll_jax.model.transformer import Transformer, causal_mask
-from experiments.workloads import oracle_engine_params
+from experiments.lib.workloads import oracle_engine_params
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -47,6 +44,7 @@ from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.speculative.heads import HeadsConfig, init_heads
 from specroll_jax.speculative.oracle_proposer import OracleProposer
 from specroll_jax.speculative.tree import TreeConfig
+from experiments.lib.results import Result, Table, command_line, write
 
 PROPOSERS = ('heads', 'reflex', 'group', 'oracle', 'drafter', 'drafter_group')
 MAX_PROMPT, MAX_NEW = 12, 24
@@ -229,8 +227,6 @@ _OUT = flags.DEFINE_string('out_dir', 'results/fuzz_exactness', 'Where results g
 
 def main(argv):
   del argv
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
   records = []
 
   @hypothesis.seed(_SEED.value)
@@ -255,7 +251,6 @@ def main(argv):
   sampled = [r for r in records if r['case']['temperature'] > 0.0]
   count = lambda rows, key: sum(r['outcome'][key] for r in rows)
   summary = {
-      'command': ' '.join(['python -m experiments.fuzz_exactness', *sys.argv[1:]]),
       'cases': len(records), 'greedy_cases': len(greedy), 'sampled_cases': len(sampled),
       'greedy_responses': count(greedy, 'responses'),
       'greedy_mismatches': count(greedy, 'responses') - count(greedy, 'identical'),
@@ -270,12 +265,9 @@ def main(argv):
           p: float(np.mean([r['outcome']['tau'] for r in records if r['case']['proposer'] == p]))
           for p in PROPOSERS if any(r['case']['proposer'] == p for r in records)},
       'failure': failure, 'wall_seconds': time.time() - started}
-  (out / 'results.json').write_text(json.dumps({'summary': summary, 'cases': records}, indent=1))
-  lines = ['# Fuzzed exactness', '', f"`{summary['command']}`", '', '| measure | value |',
-           '|---|---:|']
-  lines += [f'| {k} | {v} |' for k, v in summary.items() if k not in ('command',)]
-  (out / 'README.md').write_text('\n'.join(lines) + '\n')
-  print(json.dumps(summary, indent=1))
+  write(Result('Fuzzed exactness', command_line('experiments.measure.fuzz_exactness'),
+                {'summary': summary, 'cases': records},
+                body=[Table(['measure', 'value'], list(summary.items()), align='lr')]), _OUT.value)
   if failure:
     raise SystemExit(f'fuzzing found a contract break: {failure}')
 

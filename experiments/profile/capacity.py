@@ -1,13 +1,13 @@
 """Measures the verification capacity C_hw of a policy on this machine and caches it.
 
-  python -m experiments.profile_capacity --checkpoint=specroll_jax/tasks/stories260K
+  python -m experiments.profile.capacity --checkpoint=specroll_jax/tasks/stories260K
 
 Always measures afresh (replacing any cached profile for this model and hardware), then
 prints latency against total tokens per batch and the chosen C_hw.
 """
 from absl import app, flags
 
-from experiments.common import DEFAULT_CHECKPOINT
+from experiments.lib.common import DEFAULT_CHECKPOINT
 from specroll_jax import load_policy
 from specroll_jax.speculative.capacity import MAX_SPREAD, baselines, measure_capacity, save_profile
 

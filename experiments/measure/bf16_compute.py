@@ -1,6 +1,6 @@
 """bf16 compute against float32 on SmolLM2 (W3's model), in one process, the modes alternating.
 
-  python -m experiments.measure_bf16_compute --out_dir=results/bf16_compute
+  python -m experiments.measure.bf16_compute --out_dir=results/bf16_compute
 
 Measures, for ModelConfig.compute_dtype 'float32' and 'bfloat16' (float32 parameters; the
 bf16 engines round them once per rollout):
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.common import left_padded
+from experiments.lib.common import left_padded
 from specroll_jax.model.policy import load_policy
 from specroll_jax.rl import grpo
 from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
@@ -37,6 +37,7 @@ from specroll_jax.speculative.oracle_proposer import OracleParams, OraclePropose
 from specroll_jax.speculative.step_cost import STEPS_PER_CALL, compiled_steps, measure_step_costs
 from specroll_jax.speculative.tree import TreeConfig
 from specroll_jax.tasks.sources import load_tasks
+from experiments.lib.results import Figure, Result, Table, write
 
 flags.DEFINE_string('checkpoint', 'workdir/models/smollm2-135m-instruct', 'SmolLM2 HF directory.')
 flags.DEFINE_string('data_dir', None, 'Dataset directory (default: the shared data).')
@@ -165,37 +166,39 @@ def hf_generate_ratio(policy, prompts, rows):
   return statistics.median(times['ours']), statistics.median(times['hf'])
 
 
-def write_report(out, directory):
-  """README.md (the tables) and decode_and_tree.png from the results."""
-  import matplotlib  # noqa: PLC0415 (reporting only)
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-  lines = [f'# bf16 compute against float32 (SmolLM2-135M)\n\n`{out["command"]}` '
-           f'({out["minutes"]:.0f} minutes, idle 2-core CPU). notes/history.md, "bf16 compute".\n',
-           '| rows | vanilla step float32 ms | bf16 ms | bf16 / float32 speed |',
-           '|---:|---:|---:|---:|']
-  for rows, ms in out['decode_step_ms'].items():
-    lines.append(f'| {rows} | {ms["float32"]:.1f} | {ms["bfloat16"]:.1f} | '
-                 f'{out["vanilla_bf16_over_fp32"][rows]:.2f}x |')
-  lines += ['', '| bucket | nodes | tree price float32 (plain steps) | bf16 |', '|---:|---:|---:|---:|']
-  for bucket, prices in out['tree_price'].items():
-    for nodes, price in prices.items():
-      lines.append(f'| {bucket} | {nodes} | {out["tree_price_float32"][bucket][nodes]:.2f} | '
-                   f'{price:.2f} |')
-  lines += ['', '| mode | responses | batch of 4 = alone | SpecRoll = vanilla | rollout = learner |',
-            '|---|---:|---:|---:|---:|']
-  for mode, c in out['invariance_checks'].items():
-    lines.append(f'| {mode} | {c["responses"]} | {c["batch_vs_alone"]} | {c["spec_vs_vanilla"]} | '
-                 f'{c["rollout_vs_learner"]} |')
-  lines += ['', '(bit for bit: tokens and every log-prob; SpecRoll is the oracle, tau '
-            f'{out["invariance_checks"]["bfloat16"]["tau_oracle"]:.2f})', '',
-            '| rows | our vanilla bf16 s | transformers generate bf16 s | ours / theirs speed |',
-            '|---:|---:|---:|---:|']
-  for rows, t in out['hf_seconds'].items():
-    lines.append(f'| {rows} | {t["ours_bf16"]:.2f} | {t["hf_bf16"]:.2f} | '
-                 f'{out["vanilla_bf16_over_hf_bf16"][rows]:.2f}x |')
-  (directory / 'README.md').write_text('\n'.join(lines) + '\n')
-  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+def report(out) -> Result:
+  """The tables and decode_and_tree.png from the results (also from a results.json read
+  back, with the notes added to it by hand where a figure could not be measured)."""
+  data = {k: v for k, v in out.items() if k != 'command'}
+  decode = Table(['rows', 'vanilla step float32 ms', 'bf16 ms', 'bf16 / float32 speed'],
+                 [[rows, f'{ms["float32"]:.1f}', f'{ms["bfloat16"]:.1f}',
+                   f'{out["vanilla_bf16_over_fp32"][rows]:.2f}x']
+                  for rows, ms in out['decode_step_ms'].items()])
+  tree = Table(['bucket', 'nodes', 'tree price float32 (plain steps)', 'bf16'],
+               [[bucket, nodes, f'{out["tree_price_float32"][bucket][nodes]:.2f}', f'{price:.2f}']
+                for bucket, prices in out['tree_price'].items() for nodes, price in prices.items()])
+  identity = Table(['mode', 'responses', 'batch of 4 = alone', 'SpecRoll = vanilla',
+                    'rollout = learner'],
+                   [[mode, c['responses'], c['batch_vs_alone'], c['spec_vs_vanilla'],
+                     c['rollout_vs_learner']] for mode, c in out['invariance_checks'].items()],
+                   align='lrrrr')
+  hf = Table(['rows', 'our vanilla bf16 s', 'transformers generate bf16 s', 'ours / theirs speed'],
+             [[rows, f'{t["ours_bf16"]:.2f}', f'{t["hf_bf16"]:.2f}',
+               f'{out["vanilla_bf16_over_hf_bf16"][rows]:.2f}x']
+              for rows, t in out['hf_seconds'].items()])
+  notes = [f'{key}: {out[key]}' for key in ('update_note', 'spec_tail_note') if key in out]
+  return Result(
+      'bf16 compute against float32 (SmolLM2-135M)', out['command'], data,
+      body=[f'{out["minutes"]:.0f} minutes, idle 2-core CPU. notes/history.md, "bf16 compute".',
+            decode, tree, identity,
+            '(bit for bit: tokens and every log-prob; SpecRoll is the oracle, tau '
+            f'{out["invariance_checks"]["bfloat16"]["tau_oracle"]:.2f})', hf, *notes],
+      figures=[Figure('decode_and_tree.png', 'decode step and tree price',
+                      lambda fig: plot_modes(fig, out))])
+
+
+def plot_modes(fig, out) -> None:
+  left, right = fig.subplots(1, 2)
   rows = list(out['decode_step_ms'])
   for mode in MODES:
     left.plot([int(r) for r in rows], [out['decode_step_ms'][r][mode] for r in rows], 'o-',
@@ -206,20 +209,18 @@ def write_report(out, directory):
   left.set(xscale='log', xlabel='rows', ylabel='vanilla step (ms)')
   right.set(xlabel='bucket x nodes', ylabel='tree step (plain steps)')
   left.legend(), right.legend()
-  fig.tight_layout()
-  fig.savefig(directory / 'decode_and_tree.png', dpi=100)
 
 
 def main(argv):
   del argv
   directory = Path(FLAGS.out_dir)
   if FLAGS.report_only:
-    write_report(json.loads((directory / 'results.json').read_text()), directory)
+    write(report(json.loads((directory / 'results.json').read_text())), directory)
     return
   started = time.time()
   policies = {mode: load_policy(FLAGS.checkpoint, compute_dtype=mode) for mode in MODES}
   prompts = _prompts(policies['float32'], max(map(int, FLAGS.decode_rows)))
-  out = {'command': 'python -m experiments.measure_bf16_compute ' + ' '.join(
+  out = {'command': 'python -m experiments.measure.bf16_compute ' + ' '.join(
       f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in (
           'decode_rows', 'tree_buckets', 'tree_nodes', 'hf_rows', 'repeats')),
          'checkpoint': FLAGS.checkpoint, 'new_tokens': NEW_TOKENS, 'steps_per_call': STEPS_PER_CALL}
@@ -245,10 +246,7 @@ def main(argv):
   out['hf_seconds'] = {rows: {'ours_bf16': ours, 'hf_bf16': theirs}
                        for rows, (ours, theirs) in hf.items()}
   out['minutes'] = (time.time() - started) / 60
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / 'results.json').write_text(json.dumps(out, indent=1) + '\n')
-  write_report(out, directory)
-  print(json.dumps(out, indent=1))
+  write(report(out), directory)
 
 
 if __name__ == '__main__':

@@ -1,9 +1,9 @@
 """Identity per dtype: how often engines agree when the policy is bfloat16.
 
-  python -m experiments.measure_bf16 --out_dir=results/bf16
+  python -m experiments.measure.bf16 --out_dir=results/bf16
 
-On stories260K (16 story openings, W2's 6-token kind, x 4 samples, 160 new tokens, EOS off), for float32,
-bfloat16 with float32 decisions (`ModelConfig.float32_decisions`, the default: bf16
+On stories260K (16 story openings, W2's 6-token kind, x 4 samples, 160 new tokens, EOS off),
+for float32, bfloat16 with float32 decisions (`ModelConfig.float32_decisions`, the default: bf16
 parameters, matmul inputs and KV cache; residual stream, accumulation, norms, attention and
 logits in float32) and pure bfloat16 (every activation bf16), greedy and T=1:
 - the vanilla engine against itself with only the largest batch bucket changed (8 vs 64);
@@ -13,16 +13,13 @@ logits in float32) and pure bfloat16 (every activation bf16), greedy and T=1:
 - the vanilla decode step's time at 64 rows (the cost of float32 decisions on this CPU).
 """
 import dataclasses
-import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from absl import app, flags
 
-from experiments.workloads import oracle_engine_params, story_openings
+from experiments.lib.workloads import oracle_engine_params, story_openings
 from specroll_jax import load_policy
 from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
@@ -34,6 +31,7 @@ from specroll_jax.speculative.heads import HeadsConfig, init_heads
 from specroll_jax.speculative.oracle_proposer import OracleProposer
 from specroll_jax.speculative.tree import TreeConfig
 from specroll_jax.tasks.paths import STORIES260K_DIR
+from experiments.lib.results import Result, Table, command_line, write
 
 _OUT = flags.DEFINE_string('out_dir', 'results/bf16', 'Where results go.')
 _PROMPTS = flags.DEFINE_integer('prompts', 16, 'Story openings.')
@@ -104,27 +102,23 @@ def main(argv):
   del argv
   # W2's kind of prompt: the first 6 tokens of stories the float32 policy writes from BOS.
   prompts = story_openings(load_policy(STORIES260K_DIR), _PROMPTS.value, 6, 1234)
-  results = {'command': ' '.join(['python -m experiments.measure_bf16', *sys.argv[1:]]),
-             'prompts': len(prompts), 'samples': _SAMPLES.value,
+  results = {'prompts': len(prompts), 'samples': _SAMPLES.value,
              'max_new_tokens': _TOKENS.value,
              'modes': {mode: measure(mode, prompts) for mode in MODES}}
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
-  lines = ['# Identity per dtype (stories260K)', '', f"`{results['command']}`", '',
-           f"{len(prompts)} prompts x {_SAMPLES.value} samples, {_TOKENS.value} new tokens, "
-           'EOS off; identical responses out of each run\'s total.', '',
-           '| mode | sampler | vanilla 8 vs 64 | oracle vs vanilla | heads vs vanilla | '
-           'oracle tau | decode step (64 rows) |', '|---|---|---:|---:|---:|---:|---:|']
+  rows = []
   for mode, r in results['modes'].items():
     for name in SAMPLERS:
       s = r[name]
-      lines.append(f"| {mode} | {name} | {s['vanilla_bucket_8_vs_64']}/{s['responses']} | "
-                   f"{s['oracle_vs_vanilla']}/{s['responses']} | "
-                   f"{s['heads_vs_vanilla']}/{s['responses']} | {s['oracle_tau']:.2f} | "
-                   f"{r['decode_step_ms_64_rows']:.2f} ms |")
-  (out / 'README.md').write_text('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+      rows.append([mode, name, f"{s['vanilla_bucket_8_vs_64']}/{s['responses']}",
+                   f"{s['oracle_vs_vanilla']}/{s['responses']}",
+                   f"{s['heads_vs_vanilla']}/{s['responses']}", f"{s['oracle_tau']:.2f}",
+                   f"{r['decode_step_ms_64_rows']:.2f} ms"])
+  write(Result(
+      'Identity per dtype (stories260K)', command_line('experiments.measure.bf16'), results,
+      body=[f'{len(prompts)} prompts x {_SAMPLES.value} samples, {_TOKENS.value} new tokens, '
+            "EOS off; identical responses out of each run's total.",
+            Table(['mode', 'sampler', 'vanilla 8 vs 64', 'oracle vs vanilla', 'heads vs vanilla',
+                   'oracle tau', 'decode step (64 rows)'], rows, align='llrrrrr')]), _OUT.value)
 
 
 if __name__ == '__main__':

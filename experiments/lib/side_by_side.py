@@ -9,8 +9,8 @@ import time
 from functools import partial
 
 from specroll_jax.rollout.driver import Driver, RolloutConfig
-from experiments.common import left_padded
-from experiments.workloads import gated_engines, oracle_engine_params, workload_engines
+from experiments.lib.common import left_padded
+from experiments.lib.workloads import gated_engines, oracle_engine_params, workload_engines
 
 
 def timed(fn, repeats):

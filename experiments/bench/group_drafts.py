@@ -1,6 +1,6 @@
 """Group drafts against the heads alone: tau at a fixed budget and the gated speedup.
 
-  python -m experiments.bench_group_drafts --config=configs/group_drafts.py
+  python -m experiments.bench.group_drafts --config=configs/group_drafts.py
 
 For each workload the engines (vanilla, heads, group drafts alone, both) run side by side in
 this process on the same prompts and seed, twice: every step a tree (tau, acceptance by
@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import jax
-import matplotlib
 import numpy as np
 from absl import app
 from ml_collections import config_flags
@@ -21,11 +20,9 @@ from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import tree_config
 from specroll_jax.tasks.default_policy import ensure_default_policy
-from experiments.side_by_side import compare
-from experiments.workloads import benchmark_prompts, warm_started_drafts
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments.lib.results import Figure, Result, Table, command_line, write, write_json
+from experiments.lib.side_by_side import compare
+from experiments.lib.workloads import benchmark_prompts, warm_started_drafts
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/group_drafts.py')
 SPECULATIVE = ('specroll', 'group', 'both')
@@ -94,7 +91,7 @@ def main(argv):
                      f'got {names}')
   out = Path(c.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  command = ' '.join(['python -m experiments.bench_group_drafts'] + sys.argv[1:])
+  command = command_line('experiments.bench.group_drafts')
   # One file per workload, written as soon as it is measured: a later workload that fails
   # (or a run of only some workloads, c.run) leaves the others' results in place.
   for key in c.run:
@@ -105,13 +102,13 @@ def main(argv):
     path = out / f'{key}.json'
     if path.exists():
       measured = merged_with_earlier(json.loads(path.read_text()), measured, path)
-    path.write_text(json.dumps(measured, indent=2, default=float) + '\n')
-    for mode, r in measured['runs'].items():
-      for name in names[1:]:
-        print(f"{key} {mode} {name}: tau {r[name]['tau']:.3f}, speedup {r[name]['speedup']:.2f}x",
-              file=sys.stderr)
+    write_json(path, measured)
   measured = {key: json.loads((out / f'{key}.json').read_text()) for key in c.workloads
               if (out / f'{key}.json').exists()}
+  write(report(names, measured, command), out)
+
+
+def summary(names, measured) -> dict:
   workloads = {key: m['runs'] for key, m in measured.items()}
   identical = [r[name]['identical_responses'] for runs in workloads.values()
                for r in runs.values() for name in names if name != 'vanilla']
@@ -119,7 +116,7 @@ def main(argv):
                for r in runs.values() for name in names if name != 'vanilla']
   value = lambda key, mode, name, field: (workloads[key][mode][name][field]
                                           if mode in workloads.get(key, {}) else None)
-  result = {
+  return {
       'commands': {key: m['commands'] for key, m in measured.items()},
       'backend': jax.default_backend(),
       'w1_tau_heads': value('w1', 'fixed_budget', 'specroll', 'tau'),
@@ -135,28 +132,41 @@ def main(argv):
                     for key, runs in workloads.items()},
       'tree_step_costs': {key: m['prices'] for key, m in measured.items()},
   }
-  (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
-  lines = ['| workload | engine | tau (fixed budget) | speedup (fixed budget) | speedup (gated) | '
-           'gated tree steps | accepted / tree step | on chains / tree step | chain acceptance '
-           '| match rate | identical responses |',
-           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+
+
+def report(names, measured, command) -> Result:
+  workloads = {key: m['runs'] for key, m in measured.items()}
+  return Result(
+      title='Group drafts (W1, W3)', command=command, data=summary(names, measured),
+      body=[f'Backend {jax.default_backend()}; each mode\'s command per workload is in '
+            "results.json ('commands'). 'specroll' is the heads alone. Identical responses: "
+            'fixed-budget + gated runs.', engine_table(names, workloads)],
+      figures=[Figure('tau_speedup.png', 'tau and speedup',
+                      lambda fig: plot_workloads(fig, names, workloads))])
+
+
+def engine_table(names, workloads) -> Table:
   missing = {'tau': float('nan'), 'speedup': float('nan'), 'tree_step_share': float('nan'),
              'accepted_per_tree_step': float('nan'), 'identical_responses': '-'}
+  rows = []
   for key, runs in workloads.items():
     for name in names[1:]:
       f = runs.get('fixed_budget', {}).get(name, missing)
       g = runs.get('gated', {}).get(name, missing)
       chains = lambda field: f"{f[field]:.3f}" if field in f else '-'
-      lines.append(f"| {key} | {name} | {f['tau']:.2f} | {f['speedup']:.2f}x | "
-                   f"{g['speedup']:.2f}x | {g['tree_step_share']:.2f} | "
-                   f"{f['accepted_per_tree_step']:.2f} | {chains('group_accepted_per_tree_step')} | "
-                   f"{chains('group_acceptance')} | {chains('group_match_rate')} | "
-                   f"{f['identical_responses']}+{g['identical_responses']} |")
-  (out / 'README.md').write_text(
-      f"# Group drafts (W1, W3)\n\nCommands: {result['commands']} (backend "
-      f"{jax.default_backend()}). 'specroll' is the heads alone. Identical responses: fixed-"
-      "budget + gated runs.\n\n" + '\n'.join(lines) + '\n\n![tau and speedup](tau_speedup.png)\n')
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+      rows.append([key, name, f"{f['tau']:.2f}", f"{f['speedup']:.2f}x", f"{g['speedup']:.2f}x",
+                   f"{g['tree_step_share']:.2f}", f"{f['accepted_per_tree_step']:.2f}",
+                   chains('group_accepted_per_tree_step'), chains('group_acceptance'),
+                   chains('group_match_rate'),
+                   f"{f['identical_responses']}+{g['identical_responses']}"])
+  return Table(['workload', 'engine', 'tau (fixed budget)', 'speedup (fixed budget)',
+                'speedup (gated)', 'gated tree steps', 'accepted / tree step',
+                'on chains / tree step', 'chain acceptance', 'match rate', 'identical responses'],
+               rows, align='llrrrrrrrrr')
+
+
+def plot_workloads(fig, names, workloads) -> None:
+  axes = fig.subplots(1, 2)
   width = 0.8 / len(workloads)
   for i, (key, runs) in enumerate(workloads.items()):
     x = np.arange(len(names) - 1) + i * width
@@ -168,9 +178,6 @@ def main(argv):
     ax.set_ylabel(label)
     ax.legend()
   axes[1].axhline(1.0, color='gray', lw=0.5)
-  fig.tight_layout()
-  fig.savefig(out / 'tau_speedup.png', dpi=100)
-  print('\n'.join(lines))
 
 
 if __name__ == '__main__':

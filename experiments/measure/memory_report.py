@@ -1,15 +1,15 @@
 """Memory per device of a GRPO config on a mesh, before launching it.
 
-  python -m experiments.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k --devices=8
-  python -m experiments.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k --devices=8 \
-      --config.grpo.lora_rank=64 --config.grpo.lora_alpha=32
+  python -m experiments.measure.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k \
+      --devices=8
+  python -m experiments.measure.memory_report --config=configs/paper.py:qwen2.5-7b,gsm8k \
+      --devices=8 --config.grpo.lora_rank=64 --config.grpo.lora_alpha=32
 
 The model's shapes come from config.policy.checkpoint's config.json, else (the paper
 configs) from configs/paper.py's ARCHITECTURES. The rollout cache and the learner's rows are
 --prompt_width + rollout.driver.max_new_tokens wide (the trainer uses the longest task prompt,
 rounded up to 16).
 """
-import json
 import sys
 from pathlib import Path
 
@@ -22,10 +22,12 @@ from specroll_jax.model.mesh import AXES
 from specroll_jax.rl import memory
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.learned_proposers import KINDS
+from experiments.lib.results import command_line, write_json
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 flags.DEFINE_integer('devices', 8, 'Devices the run will have (all processes together).')
-flags.DEFINE_integer('prompt_width', 256, 'Prompt slots per row (GSM8K chat prompts: 85-169 tokens).')
+flags.DEFINE_integer('prompt_width', 256,
+                     'Prompt slots per row (GSM8K chat prompts: 85-169 tokens).')
 flags.DEFINE_string('architecture', '', f'One of {sorted(paper.ARCHITECTURES)}; default: the '
                     'checkpoint\'s config.json, else the paper config\'s model.')
 flags.DEFINE_string('out', '', 'Also write the report as JSON here.')
@@ -59,8 +61,9 @@ def main(argv):
   report = memory.report(config, memory.Workload.from_config(run, width, proposer), shape)
   print(report.table())
   if FLAGS.out:
-    Path(FLAGS.out).write_text(json.dumps({'mesh': report.mesh, 'parts': dict(report.parts),
-                                           'total': report.total}, indent=1))
+    write_json(FLAGS.out, {'command': command_line('experiments.measure.memory_report'),
+                           'mesh': report.mesh, 'parts': dict(report.parts),
+                           'total': report.total})
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Adaptation ablation: the same seeded GRPO run with every variant, in one process.
 
-  python -m experiments.bench_adaptation --config=configs/ablation_w1.py
+  python -m experiments.bench.adaptation --config=configs/ablation_w1.py
 
 Variants (rl.run_config.ADAPTATION_MODES): static heads, always-online retraining, Reflex only,
 slow path only, both. Every variant starts from the same policy, data, seed and warm-started
@@ -10,23 +10,18 @@ the same tokens (their rollout digests are compared). Times are sums over the st
 gathers as rows first finish), medians over `repeats` runs of every variant in alternating
 order; tau is per step.
 """
-import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
-import matplotlib
 import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from experiments.common import run_fresh, totals
+from experiments.lib.common import run_fresh, totals
 from specroll_jax.rl.resources import restart_with_large_frees_returned
 from specroll_jax.rl.learned_proposers import learned_kind_name, parse_proposers
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments.lib.results import Figure, Result, Table, command_line, write
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/ablation_w1.py')
 
@@ -123,20 +118,16 @@ def per_step_table(variants: dict) -> list[str]:
   return lines
 
 
-def write_outputs(c, result: dict, out: Path) -> str:
+def report(c, result: dict) -> Result:
   variants = result['variants']
-  lines = [f'| variant | tau mean | tau first {c.window} | tau last {c.window} | last/first | '
-           'generation s | '
-           'learner s | head updates s | end-to-end s | triggers | kept |',
-           '|---|' + '---:|' * 10]
-  for name, v in variants.items():
-    ratio = v['tau_last20'] / v['tau_first20']
-    lines.append(f"| {name} | {v['tau_mean']:.3f} | {v['tau_first20']:.3f} | "
-                 f"{v['tau_last20']:.3f} | {ratio:.3f} | {v['time_generation_s']:.1f} | "
-                 f"{v['time_update_s']:.1f} | {v['time_head_updates_s']:.2f} | "
-                 f"{v['time_end_to_end_s']:.1f} | {len(v['trigger_events'])} | "
-                 f"{v['kept_updates']} |")
-  speed = result['speedups']
+  rows = [[name, f"{v['tau_mean']:.3f}", f"{v['tau_first20']:.3f}", f"{v['tau_last20']:.3f}",
+           f"{v['tau_last20'] / v['tau_first20']:.3f}", f"{v['time_generation_s']:.1f}",
+           f"{v['time_update_s']:.1f}", f"{v['time_head_updates_s']:.2f}",
+           f"{v['time_end_to_end_s']:.1f}", len(v['trigger_events']), v['kept_updates']]
+          for name, v in variants.items()]
+  table = Table(['variant', 'tau mean', f'tau first {c.window}', f'tau last {c.window}',
+                 'last/first', 'generation s', 'learner s', 'head updates s', 'end-to-end s',
+                 'triggers', 'kept'], rows, align='l' + 'r' * 10)
   agreement = ''
   if result.get('vanilla_rollout_digests'):
     same_steps = {name: next((i for i, (a, b) in enumerate(
@@ -145,21 +136,27 @@ def write_outputs(c, result: dict, out: Path) -> str:
     agreement = (' Steps whose rollouts equal vanilla\'s before the first difference (a '
                  'sampling float near-tie changes one token, and the runs then train on '
                  'different data): ' + ', '.join(f'{n} {k}' for n, k in same_steps.items()) + '.')
-  summary = '\n'.join(f'- {k}: {v:.3f}x' for k, v in speed.items())
-  (out / 'README.md').write_text(
-      f"# Adaptation ablation ({Path(c.out_dir).name}, {learned_directory(c)})\n\nCommand: `{result['command']}`\n\n"
-      f"{c.steps} GRPO steps, {c.rollout.prompts_per_step} prompts x {c.rollout.group_size} "
-      f"samples x <= {c.rollout.driver.max_new_tokens} tokens; drift KL(current || initial) at the "
-      f"last step {result['drift_kl_last']:.3f} nats/token; identical rollouts across "
-      f"variants: {result['identical_rollouts']}.{agreement}\n\n" + '\n'.join(lines)
-      + f"\n\nTimes are summed over steps {c.warmup_steps + 1}..{c.steps}, medians of "
-      f"{c.repeats} runs of every variant in alternating order (end to end per run: "
-      + ', '.join(f"{n} " + '/'.join(f'{t:.1f}' for t in v['time_end_to_end_by_repeat_s'])
-                  for n, v in variants.items())
-      + f"). End-to-end ratios:\n{summary}"
-      + '\n\nPer step:\n\n' + '\n'.join(per_step_table(variants))
-      + '\n\nTargets:\n' + '\n'.join(targets(result, c.window)) + '\n\n![tau](tau.png)\n')
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  repeats = ', '.join(f"{n} " + '/'.join(f'{t:.1f}' for t in v['time_end_to_end_by_repeat_s'])
+                      for n, v in variants.items())
+  return Result(
+      title=f'Adaptation ablation ({Path(c.out_dir).name}, {learned_directory(c)})',
+      command=command_line('experiments.bench.adaptation'), data=result,
+      body=[f'{c.steps} GRPO steps, {c.rollout.prompts_per_step} prompts x '
+            f'{c.rollout.group_size} samples x <= {c.rollout.driver.max_new_tokens} tokens; '
+            'drift KL(current || initial) at the last step '
+            f"{result['drift_kl_last']:.3f} nats/token; identical rollouts across variants: "
+            f"{result['identical_rollouts']}.{agreement}", table,
+            f'Times are summed over steps {c.warmup_steps + 1}..{c.steps}, medians of '
+            f'{c.repeats} runs of every variant in alternating order (end to end per run: '
+            f'{repeats}). End-to-end ratios:\n'
+            + '\n'.join(f'- {k}: {v:.3f}x' for k, v in result['speedups'].items()),
+            'Per step:', '\n'.join(per_step_table(variants)),
+            'Targets:\n' + '\n'.join(targets(result, c.window))],
+      figures=[Figure('tau.png', 'tau', lambda fig: plot_tau(fig, variants), size=(11, 4))])
+
+
+def plot_tau(fig, variants) -> None:
+  ax1, ax2 = fig.subplots(1, 2)
   for name, v in variants.items():
     ax1.plot(range(1, len(v['tau_by_step']) + 1), v['tau_by_step'], label=name)
   ax1.set(xlabel='GRPO step', ylabel='tau (tokens per policy forward)')
@@ -167,9 +164,6 @@ def write_outputs(c, result: dict, out: Path) -> str:
   drift = next(iter(variants.values()))['drift_kl_by_step']
   ax2.plot(range(1, len(drift) + 1), drift)
   ax2.set(xlabel='GRPO step', ylabel='KL(current || initial) per token')
-  fig.tight_layout()
-  fig.savefig(out / 'tau.png', dpi=100)
-  return '\n'.join(lines) + '\n' + summary
 
 
 def main(argv):
@@ -200,7 +194,6 @@ def main(argv):
     speedups.update({f'{name} vs vanilla': end_to_end['vanilla'] / t
                      for name, t in end_to_end.items() if name != 'vanilla'})
   result = {
-      'command': ' '.join(['python -m experiments.bench_adaptation'] + sys.argv[1:]),
       'steps': c.steps, 'variants': variants, 'speedups': speedups,
       'time_end_to_end_s': end_to_end,
       'identical_rollouts': len({tuple(d) for d in digests.values()}) == 1,
@@ -210,10 +203,7 @@ def main(argv):
   if 'online' in variants:
     result['online_head_update_share'] = (variants['online']['time_head_updates_s']
                                           / variants['online']['time_end_to_end_s'])
-  out = Path(c.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
-  print(write_outputs(c, result, out))
+  write(report(c, result), c.out_dir)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """A policy's starting reward on candidate GRPO tasks, under every reward rule.
 
-  python -m experiments.reward_survey --policy=workdir/models/smollm2-135m-instruct \
+  python -m experiments.measure.reward_survey --policy=workdir/models/smollm2-135m-instruct \
       --out_dir=results/reward_survey
 
 GRPO learns only from groups whose samples earn different rewards. For each candidate task
@@ -14,7 +14,6 @@ rule with a mean near 0.2-0.6 and few all-equal groups is one GRPO can move.
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from absl import app, flags
@@ -27,6 +26,7 @@ from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.rewards import REWARD_RULES
 from specroll_jax.tasks.sources import load_tasks
+from experiments.lib.results import Result, Table, command_line, write
 
 _POLICY = flags.DEFINE_string('policy', 'workdir/models/smollm2-135m-instruct',
                               'An HF policy directory.')
@@ -72,23 +72,16 @@ def main(argv):
     source, _, split = task.partition(':') if not task.startswith('synthetic:') else (task, '', '')
     results[task] = survey(policy, source, split or None)
     print(task, json.dumps(results[task]['rules']), file=sys.stderr)
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  command = ' '.join(['python -m experiments.reward_survey', *sys.argv[1:]])
-  (out / 'results.json').write_text(json.dumps({'command': command, 'tasks': results},
-                                               indent=1) + '\n')
-  lines = ['# Starting reward per task and rule', '', f'`{command}`', '',
-           f'{_PROMPTS.value} prompts x {_GROUP.value} samples at T=1, <= {_MAX_NEW.value} '
-           'tokens, vanilla engine.', '',
-           '| task | rule | mean reward | accuracy | all-equal groups | mean length | capped |',
-           '|---|---|---:|---:|---:|---:|---:|']
-  for task, r in results.items():
-    for rule, v in r['rules'].items():
-      lines.append(f"| {task} | {rule} | {v['mean_reward']:.3f} | {v['accuracy']:.3f} | "
-                   f"{v['all_equal_groups']:.2f} | {r['mean_length']:.0f} | "
-                   f"{r['capped_share']:.0%} |")
-  (out / 'README.md').write_text('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  rows = [[task, rule, f"{v['mean_reward']:.3f}", f"{v['accuracy']:.3f}",
+           f"{v['all_equal_groups']:.2f}", f"{r['mean_length']:.0f}", f"{r['capped_share']:.0%}"]
+          for task, r in results.items() for rule, v in r['rules'].items()]
+  write(Result(
+      'Starting reward per task and rule', command_line('experiments.measure.reward_survey'),
+      {'tasks': results},
+      body=[f'{_PROMPTS.value} prompts x {_GROUP.value} samples at T=1, <= {_MAX_NEW.value} '
+            'tokens, vanilla engine.',
+            Table(['task', 'rule', 'mean reward', 'accuracy', 'all-equal groups', 'mean length',
+                   'capped'], rows, align='llrrrrr')]), _OUT.value)
 
 
 if __name__ == '__main__':

@@ -3,7 +3,7 @@ randomness contracts, and what each draw costs: inverse-CDF (the contract before
 2026-12-02), Gumbel-max with one number per vocabulary entry, and the two-level Gumbel-max of
 rollout/sampling.py (the contract now).
 
-  python -m experiments.measure_near_ties --config=configs/near_ties.py
+  python -m experiments.measure.near_ties --config=configs/near_ties.py
 
 For each workload the vanilla engine samples responses at T = 1. The policy then re-reads
 every response twice with the engines' cached forward, each layout building its own KV cache
@@ -35,8 +35,9 @@ from specroll_jax.rollout import sampling
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
-from experiments.roofline import call_seconds
-from experiments.workloads import benchmark_prompts
+from experiments.measure.roofline import call_seconds
+from experiments.lib.workloads import benchmark_prompts
+from experiments.lib.results import Result, Table, command_line, write, write_json
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/near_ties.py')
 CONTRACTS = ('inverse_cdf', 'gumbel_max', 'two_level_gumbel_max')
@@ -195,12 +196,12 @@ def main(argv):
   c = _CONFIG.value
   out = Path(c.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  command = ' '.join(['python -m experiments.measure_near_ties'] + sys.argv[1:])
+  command = command_line('experiments.measure.near_ties')
   for key in c.run:
     print(f'== {key}', file=sys.stderr)
     measured = measure(c.workloads[key])
     measured.update(command=command, config=c.workloads[key].to_dict())
-    (out / f'{key}.json').write_text(json.dumps(measured, indent=2) + '\n')
+    write_json(out / f'{key}.json', measured)
   measured = {key: json.loads((out / f'{key}.json').read_text()) for key in c.workloads
               if (out / f'{key}.json').exists()}
   result = {'backend': jax.default_backend(), 'machine': platform.processor() or platform.machine(),
@@ -209,24 +210,25 @@ def main(argv):
     f = m['flips']
     result[f'{key}_flip_reduction'] = (f['inverse_cdf'] / f['two_level_gumbel_max']
                                        if f['two_level_gumbel_max'] else None)
-  (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
-  lines = ['| workload | vocab | draws (positions x keys) | max logit diff | contract | flips '
-           '| flip rate | 95% upper | draw ms | share of step |',
-           '|---|---:|---:|---:|---|---:|---:|---:|---:|---:|']
-  for key, m in measured.items():
-    for name in CONTRACTS:
-      lines.append(f"| {key} | {m['vocab_size']} | {m['draws']} | {m['max_logit_diff']:.1e} | "
-                   f"{name} | {m['flips'][name]} | {m['flip_rate'][name]:.2e} | "
-                   f"{upper_bound(m['flips'][name], m['draws']):.1e} | "
-                   f"{1e3 * m['seconds'][name]:.2f} | {m['draw_share_of_step'][name]:.1%} |")
-  commands = sorted({m['command'] for m in measured.values()})
-  (out / 'README.md').write_text(
-      '# Sampling near-ties: inverse-CDF, Gumbel-max and two-level Gumbel-max\n\n'
-      f'Commands: {commands} (backend {result["backend"]}).\n\n' + '\n'.join(lines) + '\n\n'
-      'A flip is a (response position, seed key) whose draw from the one-token forward\'s '
-      'logits differs from the draw from the block forward\'s logits. "share of step" is the '
-      'draw\'s time over the vanilla step\'s (one-token forward + projection + draw) at the '
-      'workload\'s batch.\n')
+  write(report(measured, result, command), out)
+
+
+def report(measured, result, command) -> Result:
+  rows = [[key, m['vocab_size'], m['draws'], f"{m['max_logit_diff']:.1e}", name,
+           m['flips'][name], f"{m['flip_rate'][name]:.2e}",
+           f"{upper_bound(m['flips'][name], m['draws']):.1e}", f"{1e3 * m['seconds'][name]:.2f}",
+           f"{m['draw_share_of_step'][name]:.1%}"]
+          for key, m in measured.items() for name in CONTRACTS]
+  return Result(
+      'Sampling near-ties: inverse-CDF, Gumbel-max and two-level Gumbel-max', command, result,
+      body=[f"Backend {result['backend']}; each workload's command is in results.json.",
+            Table(['workload', 'vocab', 'draws (positions x keys)', 'max logit diff', 'contract',
+                   'flips', 'flip rate', '95% upper', 'draw ms', 'share of step'], rows,
+                  align='lrrrlrrrrr'),
+            "A flip is a (response position, seed key) whose draw from the one-token forward's "
+            "logits differs from the draw from the block forward's logits. \"share of step\" is "
+            "the draw's time over the vanilla step's (one-token forward + projection + draw) at "
+            "the workload's batch."])
 
 
 if __name__ == '__main__':

@@ -5,8 +5,8 @@ given ranks in that law; a T=1 walk accepts to depth d when the draws' ranks (r_
 form a path of the tree. A tree is a prefix-closed set of rank paths, and its accepted
 depth on a draw sequence counts the tree's nodes on the draws' path, so the best N-node
 tree holds the N-1 most frequent rank paths (a path is never more frequent than its prefix).
-Used by experiments.measure_draft_ceiling (the policy's own law) and
-experiments.measure_drafter_trees (the drafter's law, whose ranks depend on the depth).
+Used by experiments.measure.draft_ceiling (the policy's own law) and
+experiments.measure.drafter_trees (the drafter's law, whose ranks depend on the depth).
 """
 import jax
 import numpy as np

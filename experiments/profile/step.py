@@ -1,8 +1,8 @@
 """Where a rollout step's time goes: the engine's on-device loop, traced and grouped by stage.
 
-  python -m experiments.profile_step --config=configs/bench_w3.py --engine=oracle --responses=16
+  python -m experiments.profile.step --config=configs/bench_w3.py --engine=oracle --responses=16
 
-Builds a benchmark config's workload (experiments/workloads.py: its prompts, warm-started
+Builds a benchmark config's workload (experiments/lib/workloads.py: its prompts, warm-started
 heads, trees and sampler), prefills the first `responses` rows, runs the engine's loop
 once to compile it, then traces one more run of the loop with jax.profiler. Each executed
 XLA operation is charged to the step stage that emitted it, read from the op_name metadata
@@ -17,7 +17,6 @@ import collections
 import gzip
 import json
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,8 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.engine import compiled_run
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import tree_config
-from experiments.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
+from experiments.lib.results import command_line, write_json
+from experiments.lib.workloads import (benchmark_prompts, oracle_engine_params, sweep_slice,
                                    warm_started_drafts, workload_engines)
 
 STAGES = ('root_draw', 'propose', 'build_tree', 'verify_forward', 'walk', 'project', 'commit',
@@ -138,15 +138,12 @@ def main(argv):
     params = oracle_engine_params(engine, policy, reference, c.max_new_tokens)
   state = Driver(engine, rollout).first_state(params, prompts, samples)
   result = profile_loop(engine, params, state, jax.random.key(c.seed))
-  result.update(command=' '.join(['python -m experiments.profile_step'] + sys.argv[1:]),
+  result.update(command=command_line('experiments.profile.step'),
                 engine=FLAGS.engine, responses=len(prompts) * samples,
                 tree_width=engine.tree_width(len(prompts) * samples)
                 if FLAGS.engine != 'vanilla' else 1,
                 backend=jax.default_backend())
-  out = Path(FLAGS.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / f'{FLAGS.engine}_{result["responses"]}.json').write_text(json.dumps(result, indent=2)
-                                                                   + '\n')
+  write_json(Path(FLAGS.out_dir) / f'{FLAGS.engine}_{result["responses"]}.json', result)
   print(f'{FLAGS.engine}, {result["responses"]} responses, {result["iterations"]} iterations, '
         f'{result["tokens"]} tokens ({result["tokens_per_row_step"]:.2f} per row step): '
         f'{result["wall_ms_per_iteration"]:.1f} ms per iteration (traced ops '

@@ -1,19 +1,17 @@
 """The GRPO rollout's drafting variants against vanilla, on one batch of a training config.
 
-  python -m experiments.bench_rollout_variants --config=configs/tiny_math.py \
+  python -m experiments.bench.rollout_variants --config=configs/tiny_math.py \
       --heads_dir=workdir/tiny_math/heads --out_dir=results/rollout_variants
 
 Where the main job's audited 0.75x comes from: the trainer's own `Rollouts` (engine, gate,
 driver at the run's prompt width) are built for vanilla and for each drafting variant
 (heads alone, heads + Reflex, heads + group drafts, heads + group drafts + Reflex: the
-default; and the engine held to one node per row without its gate), on the config's first batch of prompts with the trained policy it starts from and
-the heads in --heads_dir (a run's warm start). Each variant's gate is priced once on that
-batch; then every variant is timed --repeats times, in alternation, in this process, and
-the ratio of medians to vanilla is reported with tau and the share of tree steps.
+default; and the engine held to one node per row without its gate), on the config's first
+batch of prompts with the trained policy it starts from and the heads in --heads_dir (a
+run's warm start). Each variant's gate is priced once on that batch; then every variant is
+timed --repeats times, in alternation, in this process, and the ratio of medians to vanilla is reported with tau and the share of tree steps.
 """
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from specroll_jax.rl.run import resolve_policy
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.speculative.heads import load_heads
 from specroll_jax.tasks.sources import load_tasks
+from experiments.lib.results import Result, Table, command_line, write
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 _HEADS = flags.DEFINE_string('heads_dir', 'workdir/tiny_math/heads', 'Warm-started heads.')
@@ -77,29 +76,27 @@ def main(argv):
       responses = rollouts.generate(policy.params, heads, prompts, base.seed)
       times[name].append(time.perf_counter() - start)
       summaries[name] = rollouts.engine.summarize(responses)
+  write(report(runs, times, summaries, len(prompts) * base.rollout.group_size), _OUT.value)
+
+
+def report(runs, times, summaries, responses) -> Result:
   vanilla = statistics.median(times['vanilla'])
-  result = {'command': ' '.join(['python -m experiments.bench_rollout_variants', *sys.argv[1:]]),
-            'responses': len(prompts) * base.rollout.group_size,
-            'variants': {name: {'median_s': statistics.median(t), 'times_s': t,
-                                'speedup': vanilla / statistics.median(t),
-                                'tau': summaries[name]['tau'],
-                                'tree_step_share': summaries[name].get('tree_step_share'),
-                                'tokens': summaries[name]['tokens'],
-                                'tree_step_costs': getattr(runs[name].engine, 'tree_step_costs',
-                                                           None)}
-                         for name, t in times.items()}}
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
-  lines = ['# GRPO rollout variants against vanilla', '', f"`{result['command']}`", '',
-           f"{result['responses']} responses, medians of {_REPEATS.value} alternating runs.",
-           '', '| variant | median s | speedup | tau | tree steps |', '|---|---:|---:|---:|---:|']
-  for name, v in result['variants'].items():
-    share = '-' if v['tree_step_share'] is None else f"{v['tree_step_share']:.1%}"
-    lines.append(f"| {name} | {v['median_s']:.3f} | {v['speedup']:.2f}x | {v['tau']:.3f} | "
-                 f'{share} |')
-  (out / 'README.md').write_text('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  variants = {name: {'median_s': statistics.median(t), 'times_s': t,
+                     'speedup': vanilla / statistics.median(t),
+                     'tau': summaries[name]['tau'],
+                     'tree_step_share': summaries[name].get('tree_step_share'),
+                     'tokens': summaries[name]['tokens'],
+                     'tree_step_costs': getattr(runs[name].engine, 'tree_step_costs', None)}
+              for name, t in times.items()}
+  share = lambda v: '-' if v['tree_step_share'] is None else f"{v['tree_step_share']:.1%}"
+  rows = [[name, f"{v['median_s']:.3f}", f"{v['speedup']:.2f}x", f"{v['tau']:.3f}", share(v)]
+          for name, v in variants.items()]
+  return Result(
+      title='GRPO rollout variants against vanilla',
+      command=command_line('experiments.bench.rollout_variants'),
+      data={'responses': responses, 'variants': variants},
+      body=[f'{responses} responses, medians of {_REPEATS.value} alternating runs.',
+            Table(['variant', 'median s', 'speedup', 'tau', 'tree steps'], rows, align='lrrrr')])
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Draft quality at fixed node budgets: tau of each proposer, and what proposing costs.
 
-  python -m experiments.bench_drafts --config=configs/drafts_w3.py
+  python -m experiments.bench.drafts --config=configs/drafts_w3.py
 
 For each cell (nodes per row, responses in flight, sampler) every proposer's engine runs
 the same held-out prompts and seed as vanilla with every step a tree of that many nodes
@@ -8,7 +8,7 @@ the same held-out prompts and seed as vanilla with every step a tree of that man
 responses are vanilla's. Proposers: the warm-started heads, the sequential drafter on its
 spine ('drafter') or on a rank-path tree chosen from its own held-out ranks, a pool from
 which each row keeps its best paths ('drafter_tree': c.drafter_tree_pools names the pool's
-size per budget, c.drafter_trees the file of experiments.measure_drafter_trees), heads or
+size per budget, c.drafter_trees the file of experiments.measure.drafter_trees), heads or
 drafter under group drafts, and the oracle (vanilla's own future as a chain as deep as the
 heads' trees: the ceiling at that depth). Proposing cost, in plain steps at one response: the
 proposer's `propose` timed alone against the vanilla step; and each tree step's whole
@@ -39,9 +39,11 @@ from specroll_jax.speculative.head_proposer import HeadDraftConfig
 from specroll_jax.speculative.heads import heads_metadata
 from specroll_jax.speculative.oracle_proposer import OracleProposer
 from specroll_jax.speculative.proposer import StepContext, Vocabulary
-from specroll_jax.speculative.step_cost import STEPS_PER_CALL, compiled_steps, with_measured_step_costs
+from specroll_jax.speculative.step_cost import (STEPS_PER_CALL, compiled_steps,
+                                                with_measured_step_costs)
 from specroll_jax.speculative.tree import TreeConfig
-from experiments.workloads import (benchmark_prompts, oracle_engine_params,
+from experiments.lib.results import Result, Table, command_line, write
+from experiments.lib.workloads import (benchmark_prompts, oracle_engine_params,
                                    warm_started_drafter, warm_started_heads)
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafts_w3.py')
@@ -51,13 +53,13 @@ TAU_KEYS = ('heads', 'drafter', 'drafter_tree')  # proposers with top-level tau 
 
 def drafter_tree(c, nodes: int) -> tuple:
   """The rank paths of the pool drafted at `nodes` nodes per row: the best tree of
-  c.drafter_tree_pools' size for that budget (experiments.measure_drafter_trees)."""
+  c.drafter_tree_pools' size for that budget (experiments.measure.drafter_trees)."""
   pools = {int(budget): int(size) for budget, size in c.drafter_tree_pools}
   if nodes not in pools:
     raise ValueError(f'config drafter_tree_pools has no pool for {nodes} nodes')
   path = Path(c.drafter_trees)
   if not path.is_file():
-    raise FileNotFoundError(f'{path}: not found (run experiments.measure_drafter_trees)')
+    raise FileNotFoundError(f'{path}: not found (run experiments.measure.drafter_trees)')
   trees = json.loads(path.read_text())['trees']
   if str(pools[nodes]) not in trees:
     raise ValueError(f'{path}: no tree of {pools[nodes]} nodes (it has {", ".join(trees)})')
@@ -188,6 +190,11 @@ def tree_step_prices(policy, c, built, prompts, sampler) -> dict:
 def main(argv):
   del argv
   c = _CONFIG.value
+  write(report(c, measure(c)), c.out_dir)
+
+
+def measure(c) -> dict:
+  """Proposing costs and tree-step prices at one response, then every cell's tau."""
   policy = load_policy(c.checkpoint, c.dtype)
   heads_config, heads = warm_started_heads(policy, c)
   drafter_config, drafter = warm_started_drafter(policy, c)
@@ -210,11 +217,15 @@ def main(argv):
           continue
         cells[f'{key}/{nodes}/{responses}'] = run_cell(policy, c, built, prompts, nodes,
                                                        responses, sampler)
+  return {'costs': costs, 'prices': prices, 'cells': cells}
+
+
+def summary(c, measured) -> dict:
+  cells = measured['cells']
   heads_record = heads_metadata(c.heads_dir)
   drafter_record = drafter_metadata(c.drafter_dir)
   tau = lambda name, nodes, responses: cells[f't1/{nodes}/{responses}'][name]['tau']
-  result = {
-      'command': ' '.join(['python -m experiments.bench_drafts'] + sys.argv[1:]),
+  return {
       'backend': jax.default_backend(),
       **{f'{name}_tau_16': tau(name, 16, 1) for name in TAU_KEYS if name in c.proposers},
       **{f'{name}_tau_4_b16': tau(name, 4, 16) for name in TAU_KEYS if name in c.proposers},
@@ -227,36 +238,35 @@ def main(argv):
       # The heads' recipe (configs/bench_w3.py heads), and the drafter's.
       'warm_start_s': heads_record.seconds,
       'drafter_warm_start_s': drafter_record.seconds,
-      'drafter_cost': costs.get('drafter'),
-      'proposing_costs': costs,
-      'tree_step_prices': prices,
+      'drafter_cost': measured['costs'].get('drafter'),
+      'proposing_costs': measured['costs'],
+      'tree_step_prices': measured['prices'],
       'identical_fraction': (sum(r['identical'] for cell in cells.values() for r in cell.values())
                              / sum(r['responses'] for cell in cells.values()
                                    for r in cell.values())),
       'cells': cells,
       'config': c.to_dict(),
   }
-  out = Path(c.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
+
+
+def report(c, measured) -> Result:
+  data = summary(c, measured)
   names = list(c.proposers)
-  lines = ['| sampler | nodes/row | responses | ' + ' | '.join(names) + ' |',
-           '|---|---|---|' + '---|' * len(names)]
-  for key, cell in cells.items():
-    sampler, nodes, responses = key.split('/')
-    lines.append(f'| {sampler} | {nodes} | {responses} | '
-                 + ' | '.join(f'{cell[n]["tau"]:.2f}' for n in names) + ' |')
-  (out / 'README.md').write_text(
-      f'# Draft quality on W3 at fixed budgets (tau)\n\n`{result["command"]}`\n\n'
-      + '\n'.join(lines) + '\n\n'
-      f'At one response and {c.cost_nodes} nodes, in plain steps: proposing '
-      + ', '.join(f'{n} {v:.2f}' for n, v in costs.items()) + '; whole tree step '
-      + ', '.join(f'{n} {v:.2f}' for n, v in prices.items()) + '. Held-out top-1: '
-      f'head 1 {result["head1_top1"]:.3f}, drafter depth 1 {result["drafter_depth1_top1"]:.3f}'
-      f'. Warm starts: heads {result["warm_start_s"] / 60:.1f} min, drafter '
-      f'{result["drafter_warm_start_s"] / 60:.1f} min. Identical responses: '
-      f'{result["identical_fraction"]:.3f}.\n')
-  print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
+  rows = [key.split('/') + [f'{cell[n]["tau"]:.2f}' for n in names]
+          for key, cell in measured['cells'].items()]
+  in_steps = lambda values: ', '.join(f'{n} {v:.2f}' for n, v in values.items())
+  return Result(
+      title='Draft quality on W3 at fixed budgets (tau)',
+      command=command_line('experiments.bench.drafts'), data=data,
+      body=[Table(['sampler', 'nodes/row', 'responses'] + names, rows,
+                  align='l' * (3 + len(names))),
+            f'At one response and {c.cost_nodes} nodes, in plain steps: proposing '
+            f"{in_steps(measured['costs'])}; whole tree step {in_steps(measured['prices'])}. "
+            f"Held-out top-1: head 1 {data['head1_top1']:.3f}, drafter depth 1 "
+            f"{data['drafter_depth1_top1']:.3f}. Warm starts: heads "
+            f"{data['warm_start_s'] / 60:.1f} min, drafter "
+            f"{data['drafter_warm_start_s'] / 60:.1f} min. Identical responses: "
+            f"{data['identical_fraction']:.3f}."])
 
 
 if __name__ == '__main__':

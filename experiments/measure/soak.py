@@ -1,6 +1,6 @@
 """Soak: a long GRPO run whose memory stays flat and which compiles nothing after warm-up.
 
-  python -m experiments.soak --config=configs/tiny_math.py --config.steps=50 \
+  python -m experiments.measure.soak --config=configs/tiny_math.py --config.steps=50 \
       --out_dir=results/soak
 
 Runs the trainer in a fresh workdir and reads what it records every step: the process's
@@ -12,19 +12,15 @@ first consolidation is told apart from a recompilation of a program already run.
 """
 import json
 import shutil
-import sys
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from specroll_jax.rl.metrics import METRICS_FILE
 from specroll_jax.rl.trainer import train
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments.lib.results import Figure, Result, Table, command_line, write
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_math.py')
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/soak', 'Run directory (emptied first).')
@@ -64,7 +60,6 @@ def main(argv):
   compiled = compilations_after_warmup(rows, _WARMUP.value)
   recompiled = [entry for entry in compiled if not entry['first_use_of']]
   result = {
-      'command': ' '.join(['python -m experiments.soak', *sys.argv[1:]]),
       'steps': len(rows), 'warmup_steps': _WARMUP.value,
       'rss_mib_first_last': [late[0]['rss_mib'], late[-1]['rss_mib']],
       'rss_mib_per_step': slope(steps, [r['rss_mib'] for r in late]),
@@ -76,21 +71,18 @@ def main(argv):
                                     if r['step'] <= _WARMUP.value),
       'compilations_after_warmup': compiled,
       'recompilations': sum(entry['compilations'] for entry in recompiled)}
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+  write(Result('Soak', command_line('experiments.measure.soak'), result,
+               body=[Table(['measure', 'value'], list(result.items()), align='lr')],
+               figures=[Figure('memory.png', 'memory per step', lambda fig: plot_memory(fig, rows),
+                               size=(10, 3.5))]), out)
+
+
+def plot_memory(fig, rows) -> None:
+  ax1, ax2 = fig.subplots(1, 2)
   ax1.plot([r['step'] for r in rows], [r['rss_mib'] for r in rows])
   ax1.set(xlabel='GRPO step', ylabel='resident set (MiB)')
   ax2.plot([r['step'] for r in rows], [r['live_array_mib'] for r in rows])
   ax2.set(xlabel='GRPO step', ylabel='live JAX arrays (MiB)')
-  fig.tight_layout()
-  fig.savefig(out / 'memory.png', dpi=100)
-  plt.close(fig)
-  lines = ['# Soak', '', f"`{result['command']}`", '', '| measure | value |', '|---|---:|']
-  lines += [f'| {k} | {v} |' for k, v in result.items() if k != 'command']
-  lines += ['', '![memory per step](memory.png)', '']
-  (out / 'README.md').write_text('\n'.join(lines))
-  print(json.dumps(result, indent=1))
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Drafter training variants on the same generations, judged on held-out answers.
 
-  python -m experiments.ablate_drafter_training --feature_weights=0,1 \
+  python -m experiments.measure.drafter_training_ablation --feature_weights=0,1 \
       --ablation_out_dir=results/drafts_w3/feature_loss
 
 The policy answers GSM8K train questions at T = 1 once; every variant trains a drafter from
@@ -10,7 +10,7 @@ policy's next hidden state, beside the soft cross-entropy). Each is judged on he
 answers by its teacher-forced top-1 agreement with the drawn token, the policy's
 probability of its top-1 draft (the chance a T = 1 walk accepts it), and the tau of its best
 static spine and tree at 4 and 16 nodes chosen on one half of the held-out answers and
-measured on the other (experiments.rank_trees: trees used whole, no proposing cost). The
+measured on the other (experiments.lib.rank_trees: trees used whole, no proposing cost). The
 held-out smooth L1 distance of each depth's state to the policy's hidden state is reported
 beside them.
 """
@@ -18,14 +18,12 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 import jax
-import matplotlib
 import numpy as np
 from absl import app, flags
 
-from experiments.rank_trees import drafter_answer_paths, held_out_tau, is_spine
+from experiments.lib.rank_trees import drafter_answer_paths, held_out_tau, is_spine
 from specroll_jax import load_policy
 from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.adapt.drafter_training import (DrafterTraining, agreement_rates,
@@ -33,8 +31,7 @@ from specroll_jax.adapt.drafter_training import (DrafterTraining, agreement_rate
 from specroll_jax.speculative.drafter import DrafterConfig
 from specroll_jax.tasks.sources import load_tasks
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments.lib.results import Figure, Result, Table, command_line, write
 
 _CHECKPOINT = flags.DEFINE_string('checkpoint', 'workdir/models/smollm2-135m-instruct',
                                   'An HF policy directory (an instruct model: chat prompts).')
@@ -90,38 +87,36 @@ def main(argv):
                              'train_seconds': round(time.perf_counter() - start, 1),
                              **judged(policy, params, held)}
     print(f'feature_weight {weight}: {json.dumps(variants[str(weight)])}', file=sys.stderr)
-  result = {'command': ' '.join(['python -m experiments.ablate_drafter_training', *sys.argv[1:]]),
-            'checkpoint': _CHECKPOINT.value, 'drafter': dataclasses.asdict(DRAFTER),
+  result = {'checkpoint': _CHECKPOINT.value, 'drafter': dataclasses.asdict(DRAFTER),
             'questions': f'gsm8k:train[0:{count}]', 'train_positions': int(np.sum(train.valid)),
             'held_out_positions': int(np.sum(held.valid)), 'steps': _STEPS.value,
             'batch_size': _BATCH.value, 'variants': variants}
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
-  rows = [f"| {w} | {' / '.join(f'{x:.3f}' for x in v['top1_by_depth'])} | "
-          f"{' / '.join(f'{x:.3f}' for x in v['mass_by_depth'])} | "
-          + ' | '.join(f"{v['tau'][str(n)]['best_spine']:.2f} / {v['tau'][str(n)]['best_tree']:.2f}"
-                       for n in TREE_NODES) + f" | {v['train_seconds']:.0f} |"
+  spine_tree = lambda t: f"{t['best_spine']:.2f} / {t['best_tree']:.2f}"
+  rows = [[w, ' / '.join(f'{x:.3f}' for x in v['top1_by_depth']),
+           ' / '.join(f'{x:.3f}' for x in v['mass_by_depth'])]
+          + [spine_tree(v['tau'][str(n)]) for n in TREE_NODES] + [f"{v['train_seconds']:.0f}"]
           for w, v in variants.items()]
-  (out / 'README.md').write_text(
-      '# Drafter training variants (held-out, teacher-forced)\n\n'
-      f'`{result["command"]}`\n\n{_TRAIN.value} training and {_HELD_OUT.value} held-out T=1 '
-      f'answers of {_CHECKPOINT.value} to {result["questions"]}, {_STEPS.value} steps of '
-      f'{_BATCH.value}; tau of the best static spine / tree used whole (chosen on one half of '
-      'the held-out answers, measured on the other).\n\n'
-      '| feature weight | top-1 by depth | policy mass on top-1 by depth | '
-      + ' | '.join(f'tau {n} nodes spine / tree' for n in TREE_NODES) + ' | train s |\n'
-      + '|---|---|---|' + '---|' * len(TREE_NODES) + '---|\n' + '\n'.join(rows)
-      + '\n\n![top-1](top1.png)\n')
-  fig, ax = plt.subplots(figsize=(6, 4))
+  write(Result(
+      'Drafter training variants (held-out, teacher-forced)',
+      command_line('experiments.measure.drafter_training_ablation'), result,
+      body=[f'{_TRAIN.value} training and {_HELD_OUT.value} held-out T=1 answers of '
+            f'{_CHECKPOINT.value} to {result["questions"]}, {_STEPS.value} steps of '
+            f'{_BATCH.value}; tau of the best static spine / tree used whole (chosen on one half '
+            'of the held-out answers, measured on the other).',
+            Table(['feature weight', 'top-1 by depth', 'policy mass on top-1 by depth']
+                  + [f'tau {n} nodes spine / tree' for n in TREE_NODES] + ['train s'], rows,
+                  align='l' * (4 + len(TREE_NODES)))],
+      figures=[Figure('top1.png', 'top-1', lambda fig: plot_top1(fig, variants), size=(6, 4))]),
+      _OUT.value)
+
+
+def plot_top1(fig, variants) -> None:
+  ax = fig.subplots()
   for w, v in variants.items():
     ax.plot(range(1, DRAFTER.depth + 1), v['top1_by_depth'], marker='o',
             label=f'feature weight {w}')
   ax.set(xlabel='depth', ylabel='held-out top-1 agreement')
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(out / 'top1.png', dpi=100)
-  print(json.dumps(variants, indent=1))
 
 
 if __name__ == '__main__':

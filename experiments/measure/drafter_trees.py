@@ -1,36 +1,34 @@
 """Drafter trees chosen from the drafter's own rank paths, and what they are worth.
 
-  python -m experiments.measure_drafter_trees --out_dir=results/drafts_w3/drafter_trees
+  python -m experiments.measure.drafter_trees --out_dir=results/drafts_w3/drafter_trees
 
 Teacher-forced along the policy's own T = 1 answers, the drafter ranks each drawn token in
 its law at each depth. Along drawn tokens the teacher-forced law is the one the drafter
 drafts from in the tree, and the draws are the policy's (it wrote the answers), so a T = 1
 walk of a rank-path tree accepts depth d exactly when the draws' ranks (r_1..r_d) form a
-path of the tree (experiments.rank_trees). The best N-node tree holds the N - 1 most
+path of the tree (experiments.lib.rank_trees). The best N-node tree holds the N - 1 most
 frequent rank paths; it is chosen on one half of the answers and measured on the other,
 both ways, beside the best spine (every rank but the last 0: DrafterProposer's first
 shape). Those taus are of trees used whole. In the engine a tree is a pool of candidates
 from which each row keeps its best N - 1 by the drafter's own path scores, which a rank
-path cannot replay: the pools larger than the budgets are for that (experiments.bench_drafts
+path cannot replay: the pools larger than the budgets are for that (experiments.bench.drafts
 measures them). The trees chosen on all answers go to results.json's `trees`
 (configs/drafts_w3.py: drafter_trees, drafter_tree_pools).
 
 The answers are to GSM8K train questions from index --first on: neither the heads (the
 first 544) nor the drafter (the first 800) were trained or held out on them.
 """
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
-from experiments.rank_trees import (RANKS, best_tree, drafter_answer_paths, held_out_tau,
+from experiments.lib.rank_trees import (RANKS, best_tree, drafter_answer_paths, held_out_tau,
                                    is_spine)
 from specroll_jax import load_policy
 from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.speculative.drafter import load_drafter
 from specroll_jax.tasks.sources import load_tasks
+from experiments.lib.results import Result, Table, command_line, write
 
 _CHECKPOINT = flags.DEFINE_string('checkpoint', 'workdir/models/smollm2-135m-instruct',
                                   'An HF policy directory.')
@@ -43,7 +41,7 @@ _DATA_DIR = flags.DEFINE_string('gsm8k_dir', None, 'Data directory (default ../s
 _SAMPLING_SEED = flags.DEFINE_integer('sampling_seed', 1, 'Seed of the answers\' draws.')
 _OUT_DIR = flags.DEFINE_string('trees_out_dir', 'results/drafts_w3/drafter_trees',
                                'Where results go.')
-# Nodes per tree, root included: experiments.bench_drafts' budgets, and candidate pools
+# Nodes per tree, root included: experiments.bench.drafts' budgets, and candidate pools
 # for them.
 TREE_NODES = (4, 8, 16, 32, 48, 64)
 
@@ -67,7 +65,6 @@ def main(argv):
   every = halves[0] + halves[1]
   first_ranks = np.array([p[0] if p else RANKS for p in every])
   result = {
-      'command': ' '.join(['python -m experiments.measure_drafter_trees', *sys.argv[1:]]),
       'checkpoint': _CHECKPOINT.value, 'drafter_dir': _DRAFTER.value,
       'questions': f'gsm8k:train[{first}:{first + count}]', 'positions': len(every),
       # How often the drawn x_{t+2} is the drafter's rank r at depth 1 (RANKS: a miss).
@@ -78,17 +75,14 @@ def main(argv):
       'trees': {str(nodes): sorted(best_tree(every, nodes), key=lambda p: (len(p), p))
                 for nodes in TREE_NODES},
   }
-  out = Path(_OUT_DIR.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
-  rows = [f'| {n} | {t["best_spine"]:.2f} | {t["best_tree"]:.2f} |'
-          for n, t in result['held_out_tau'].items()]
-  (out / 'README.md').write_text(
-      '# Drafter trees from its own rank paths (held-out tau, no proposing cost)\n\n'
-      f'`{result["command"]}`\n\n{result["positions"]} positions of {count} T=1 answers to '
-      f'{result["questions"]}; each tree chosen on one half, measured on the other.\n\n'
-      '| nodes/row | best spine | best tree |\n|---|---|---|\n' + '\n'.join(rows) + '\n')
-  print(json.dumps({k: v for k, v in result.items() if k != 'trees'}, indent=1))
+  write(Result(
+      'Drafter trees from its own rank paths (held-out tau, no proposing cost)',
+      command_line('experiments.measure.drafter_trees'), result,
+      body=[f'{result["positions"]} positions of {count} T=1 answers to {result["questions"]}; '
+            'each tree chosen on one half, measured on the other.',
+            Table(['nodes/row', 'best spine', 'best tree'],
+                  [[n, f'{t["best_spine"]:.2f}', f'{t["best_tree"]:.2f}']
+                   for n, t in result['held_out_tau'].items()])]), _OUT_DIR.value)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Merged LoRA weights or adapters in the forward: which costs the rollout less, measured.
 
-  python -m experiments.measure_lora --out=results/lora
+  python -m experiments.measure.lora --out=results/lora
 
 Merged: once per GRPO step, W' = W + (alpha / r) A B for every adapted kernel, then every
 decode step reads W' (what the trainer does). In the forward: every decode step computes
@@ -9,7 +9,6 @@ step's own shapes (rows x D inputs through every adapted kernel of the policy, e
 projection jitted as a chain over the layers), so the comparison is merge time against
 (in-forward step - plain step) x the decode steps of a rollout.
 """
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,10 +22,12 @@ from specroll_jax.model.config import config_from_hf, load_config
 from specroll_jax.rl import lora
 from specroll_jax.rl.memory import param_shapes
 from specroll_jax.tasks.default_policy import ensure_default_policy
+from experiments.lib.results import Result, Table, command_line, write
 
 flags.DEFINE_integer('rank', 64, 'LoRA rank.')
 flags.DEFINE_integer('rows', 16, 'Decode rows (responses running at once).')
-flags.DEFINE_integer('decode_steps', 256, 'Decode steps per rollout the in-forward cost is paid on.')
+flags.DEFINE_integer('decode_steps', 256,
+                     'Decode steps per rollout the in-forward cost is paid on.')
 flags.DEFINE_integer('repeats', 20, 'Timings per measurement (median kept).')
 flags.DEFINE_string('out', 'results/lora', 'Output directory.')
 FLAGS = flags.FLAGS
@@ -87,21 +88,18 @@ def main(argv):
   models = {'W1 (0.5M)': load_config(ensure_default_policy('workdir/policies')),
             'SmolLM2-135M (W3)': config_from_hf(W3_ARCHITECTURE, Path('W3'))}
   rows = [measure(name, config) for name, config in models.items()]
-  out = Path(FLAGS.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(rows, indent=1))
-  lines = ['| model | kernels | projections ms (plain / in forward) | in-forward overhead per '
-           f'step | x {FLAGS.decode_steps} steps ms | merge ms | faster |',
-           '|---|---:|---:|---:|---:|---:|---|']
-  lines += [f"| {r['model']} | {r['adapted_kernels']} | {r['projections_plain_ms']:.3f} / "
-            f"{r['projections_in_forward_ms']:.3f} | {r['in_forward_overhead_per_step']:+.1%} | "
-            f"{r['in_forward_ms_per_rollout']:.1f} | {r['merge_ms']:.2f} | {r['faster']} |"
-            for r in rows]
-  (out / 'README.md').write_text(
-      f'# LoRA: merged weights vs adapters in the forward\n\n`python -m experiments.'
-      f'measure_lora --out={FLAGS.out}` (rank {FLAGS.rank}, {FLAGS.rows} decode rows, '
-      f'float32, medians of {FLAGS.repeats}; 2-core CPU)\n\n' + '\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  table = Table(['model', 'kernels', 'projections ms (plain / in forward)',
+                 'in-forward overhead per step', f'x {FLAGS.decode_steps} steps ms', 'merge ms',
+                 'faster'],
+                [[r['model'], r['adapted_kernels'],
+                  f"{r['projections_plain_ms']:.3f} / {r['projections_in_forward_ms']:.3f}",
+                  f"{r['in_forward_overhead_per_step']:+.1%}",
+                  f"{r['in_forward_ms_per_rollout']:.1f}", f"{r['merge_ms']:.2f}", r['faster']]
+                 for r in rows], align='lrrrrrl')
+  write(Result('LoRA: merged weights vs adapters in the forward',
+               command_line('experiments.measure.lora'), {'models': rows},
+               body=[f'Rank {FLAGS.rank}, {FLAGS.rows} decode rows, float32, medians of '
+                     f'{FLAGS.repeats}; 2-core CPU.', table]), FLAGS.out)
 
 
 if __name__ == '__main__':

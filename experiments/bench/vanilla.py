@@ -1,6 +1,6 @@
 """Our vanilla engine against transformers' generate (torch, CPU), same prompts and lengths.
 
-  python -m experiments.bench_vanilla --out_dir=results/bench_vanilla
+  python -m experiments.bench.vanilla --out_dir=results/bench_vanilla
 
 Both engines get the same prompt token ids, sample at temperature 1 and must produce exactly
 max_new_tokens per response (EOS disabled), so both do the same number of decode steps.
@@ -10,10 +10,8 @@ openings (`--num_prompts` x `--max_new_tokens`), and W3, SmolLM2-135M-Instruct (
 with experiments.import_gguf) on GSM8K test questions through its chat template, at each
 batch size of `--w3_batches`.
 """
-import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +26,8 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.tasks.data import load_dataset
-from experiments.common import DEFAULT_CHECKPOINT, left_padded
+from experiments.lib.common import DEFAULT_CHECKPOINT, left_padded
+from experiments.lib.results import Result, Table, command_line, write
 
 flags.DEFINE_integer('num_prompts', 64, 'Prompts (one sample each) per generate call.')
 flags.DEFINE_integer('max_new_tokens', 128, 'Generated tokens per response.')
@@ -133,29 +132,25 @@ def main(argv):
     for batch in map(int, FLAGS.w3_batches):
       rows.append(bench_model('smollm2-135m-instruct', w3, gsm8k_chat_prompts(w3, batch),
                               FLAGS.w3_max_new_tokens))
-  out = Path(FLAGS.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  command = ' '.join(['python -m experiments.bench_vanilla'] + sys.argv[1:])
-  result = {'command': command,
-            'backend': jax.default_backend(), 'cpu_count': torch.get_num_threads(),
+  write(report(rows), FLAGS.out_dir)
+
+
+def report(rows) -> Result:
+  table = Table(['model', 'params', 'batch x new', 'ours tok/s', 'HF generate tok/s', 'speedup'],
+                [[r['model'], f"{r['parameters']:,}", f"{r['batch']} x {r['new_tokens']}",
+                  f"{r['ours_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}",
+                  f"{r['speedup_vs_hf_generate']:.2f}x"] for r in rows], align='lrrrrr')
+  return Result(
+      title='Vanilla engine vs transformers generate',
+      command=command_line('experiments.bench.vanilla'),
+      data={'backend': jax.default_backend(), 'cpu_count': torch.get_num_threads(),
             'machine': platform.processor() or platform.machine(),
             'jax': jax.__version__, 'torch': torch.__version__,
             'transformers': transformers.__version__,
             'speedup_vs_hf_generate': {f"{r['model']}@{r['batch']}": r['speedup_vs_hf_generate']
                                        for r in rows},
-            'models': rows}
-  (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
-  lines = ['| model | params | batch x new | ours tok/s | HF generate tok/s | speedup |',
-           '|---|---:|---:|---:|---:|---:|']
-  for r in rows:
-    lines.append(f"| {r['model']} | {r['parameters']:,} | {r['batch']} x {r['new_tokens']} | "
-                 f"{r['ours_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} | "
-                 f"{r['speedup_vs_hf_generate']:.2f}x |")
-  table = '\n'.join(lines)
-  (out / 'README.md').write_text(
-      f'# Vanilla engine vs transformers generate\n\nCommand: `{command}`'
-      f' ({jax.default_backend()}, {torch.get_num_threads()} torch threads)\n\n{table}\n')
-  print(table)
+            'models': rows},
+      body=[f'Backend {jax.default_backend()}, {torch.get_num_threads()} torch threads.', table])
 
 
 if __name__ == '__main__':

@@ -1,8 +1,8 @@
 """Rollout benchmark: vanilla vs SpecRoll vs oracle, wall-time ratios.
 
-  python -m experiments.bench_rollout --config=configs/bench_w2.py   (stories260K)
-  python -m experiments.bench_rollout --config=configs/bench_w3.py   (SmolLM2 on GSM8K)
-  python -m experiments.bench_rollout --config=configs/bench_w4.py   (SmolLM2, the GRPO tail)
+  python -m experiments.bench.rollout --config=configs/bench_w2.py   (stories260K)
+  python -m experiments.bench.rollout --config=configs/bench_w3.py   (SmolLM2 on GSM8K)
+  python -m experiments.bench.rollout --config=configs/bench_w4.py   (SmolLM2, the GRPO tail)
 
 SpecRoll drafts with the static warm-started heads, or with `--config.drafts=drafter` (W3,
 W4) the sequential drafter (speculative/drafter.py).
@@ -17,12 +17,9 @@ against the active batch size. With `hf_generate`, transformers' `generate` (tor
 the same prompts with the same sampler; its samples differ (another RNG), so it is compared
 in tokens/s.
 """
-import json
-import sys
 from pathlib import Path
 
 import jax
-import matplotlib
 import numpy as np
 from absl import app
 from ml_collections import config_flags
@@ -30,12 +27,10 @@ from ml_collections import config_flags
 from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import tree_config
-from experiments import roofline
-from experiments.side_by_side import compare
-from experiments.workloads import benchmark_prompts, sweep_slice, warm_started_drafts
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments.measure import roofline
+from experiments.lib.results import Figure, Result, Table, command_line, write
+from experiments.lib.side_by_side import compare
+from experiments.lib.workloads import benchmark_prompts, sweep_slice, warm_started_drafts
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w2.py')
 TAIL_ROWS = 4  # buckets of at most this many rows are the GRPO tail
@@ -44,12 +39,17 @@ TAIL_ROWS = 4  # buckets of at most this many rows are the GRPO tail
 def main(argv):
   del argv
   c = _CONFIG.value
+  write(report(c, measure(c)), c.out_dir)
+
+
+def measure(c) -> dict:
+  """The main run (every response of the config) and the sweep over fewer responses, with
+  the gate's prices, the tree capacity and the roofline."""
   policy = load_policy(c.checkpoint, c.dtype, compute_dtype=c.compute_dtype)
   drafts = warm_started_drafts(policy, c)
   tree = tree_config(policy, max_nodes=c.max_nodes,
                      capacity_tokens=c.capacity_tokens,
                      per_batch_capacity=c.capacity_per_batch)
-  capacity = tree.capacity_by_batch or tree.capacity_tokens
   sampler = SamplerConfig(temperature=c.temperature)
   prompts = benchmark_prompts(policy, c)
   samples = c.samples_per_prompt
@@ -70,15 +70,17 @@ def main(argv):
   # average filled cache of a decode step over the rollout.
   mean_response = main_run['vanilla']['tokens_per_s'] * main_run['vanilla']['median_seconds'] / rows
   cache_slots = int(np.mean([len(p) for p in prompts]) + mean_response / 2)
-  roofline_result = (roofline.decode_roofline(policy.config, num_params, c.roofline_batch,
-                                              cache_slots)
-                     if c.roofline_batch else None)
+  return {'main_run': main_run, 'sweep': sweep, 'prices': prices,
+          'capacity': tree.capacity_by_batch or tree.capacity_tokens,
+          'roofline': (roofline.decode_roofline(policy.config, num_params, c.roofline_batch,
+                                                cache_slots) if c.roofline_batch else None)}
 
-  out = Path(c.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  result = {
-      'command': ' '.join(['python -m experiments.bench_rollout'] + sys.argv[1:]),
-      'config': c.to_dict(), 'capacity_tokens': capacity, 'backend': jax.default_backend(),
+
+def summary(c, measured) -> dict:
+  main_run, sweep, prices = measured['main_run'], measured['sweep'], measured['prices']
+  data = {
+      'config': c.to_dict(), 'capacity_tokens': measured['capacity'],
+      'backend': jax.default_backend(),
       'tree_step_costs': {name: [list(row) for row in p.tree_step_costs]
                           for name, p in prices.items()},
       'tree_widths': {name: [list(row) for row in p.sized_widths] for name, p in prices.items()},
@@ -100,39 +102,51 @@ def main(argv):
                       for b, r in sorted(sweep.items())},
   }
   if c.hf_generate:
-    result['vanilla_vs_hf_generate'] = main_run['vanilla']['vs_hf_generate']
+    data['vanilla_vs_hf_generate'] = main_run['vanilla']['vs_hf_generate']
     for b, r in sweep.items():
-      result['batch_sweep'][str(b)]['hf_generate_tokens_per_s'] = r['hf_generate']['tokens_per_s']
-  if roofline_result:
-    result['roofline_tokens_per_s'] = roofline_result['tokens_per_s']
-    result['roofline'] = roofline_result
-  (out / 'results.json').write_text(json.dumps(result, indent=2, default=float) + '\n')
-  lines = ['| engine | median s | speedup | tau | identical tokens | accept. by depth |',
-           '|---|---:|---:|---:|---:|---|']
+      data['batch_sweep'][str(b)]['hf_generate_tokens_per_s'] = r['hf_generate']['tokens_per_s']
+  if measured['roofline']:
+    data['roofline_tokens_per_s'] = measured['roofline']['tokens_per_s']
+    data['roofline'] = measured['roofline']
+  return data
+
+
+def report(c, measured) -> Result:
+  main_run, sweep = measured['main_run'], measured['sweep']
+  return Result(
+      title=f'Rollout benchmark ({Path(c.out_dir).name})',
+      command=command_line('experiments.bench.rollout'), data=summary(c, measured),
+      body=[f"Backend {jax.default_backend()}, C_hw = {measured['capacity']} tokens.",
+            engine_table(main_run), '## By batch bucket (the main run)', bucket_table(main_run),
+            '## Against the number of responses in the batch', sweep_table(sweep)],
+      figures=[Figure('tau_speedup.png', 'tau and speedup', lambda fig: plot_sweep(fig, sweep))])
+
+
+def engine_table(main_run) -> Table:
+  rows = []
   for name, r in main_run.items():
     if name == 'hf_generate':
-      lines.append(f"| hf_generate (torch) | {r['median_seconds']:.2f} | "
-                   f"{r['tokens_per_s']:.1f} tok/s | - | - | - |")
+      rows.append(['hf_generate (torch)', f"{r['median_seconds']:.2f}",
+                   f"{r['tokens_per_s']:.1f} tok/s", '-', '-', '-'])
       continue
-    lines.append(f"| {name} | {r['median_seconds']:.2f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
-                 f"{r['identical_fraction']:.4f} | {r.get('acceptance_by_depth', '-')} |")
-  sweep_lines = ['| responses | vanilla tok/s | specroll tau | specroll speedup | specroll tree '
-                 'steps | oracle tau | oracle speedup | oracle tree steps |',
-                 '|---:|---:|---:|---:|---:|---:|---:|---:|']
-  for b, r in sorted(sweep.items()):
-    sweep_lines.append(f"| {b} | {r['vanilla']['tokens_per_s']:.1f} | {r['specroll']['tau']:.2f} | "
-                       f"{r['specroll']['speedup']:.2f}x | {r['specroll']['tree_step_share']:.2f} | "
-                       f"{r['oracle']['tau']:.2f} | {r['oracle']['speedup']:.2f}x | "
-                       f"{r['oracle']['tree_step_share']:.2f} |")
-  bucket_lines = bucket_table(main_run)
-  (out / 'README.md').write_text(
-      f"# Rollout benchmark ({Path(c.out_dir).name})\n\nCommand: `{result['command']}` "
-      f"(backend {jax.default_backend()}, C_hw = {capacity} tokens)\n\n"
-      + '\n'.join(lines) + '\n\n## By batch bucket (the main run)\n\n' + '\n'.join(bucket_lines)
-      + '\n\n## Against the number of responses in the batch\n\n' + '\n'.join(sweep_lines)
-      + '\n\n![tau and speedup](tau_speedup.png)\n')
+    rows.append([name, f"{r['median_seconds']:.2f}", f"{r['speedup']:.2f}x", f"{r['tau']:.2f}",
+                 f"{r['identical_fraction']:.4f}", r.get('acceptance_by_depth', '-')])
+  return Table(['engine', 'median s', 'speedup', 'tau', 'identical tokens', 'accept. by depth'],
+               rows, align='lrrrrl')
+
+
+def sweep_table(sweep) -> Table:
+  rows = [[b, f"{r['vanilla']['tokens_per_s']:.1f}", f"{r['specroll']['tau']:.2f}",
+           f"{r['specroll']['speedup']:.2f}x", f"{r['specroll']['tree_step_share']:.2f}",
+           f"{r['oracle']['tau']:.2f}", f"{r['oracle']['speedup']:.2f}x",
+           f"{r['oracle']['tree_step_share']:.2f}"] for b, r in sorted(sweep.items())]
+  return Table(['responses', 'vanilla tok/s', 'specroll tau', 'specroll speedup',
+                'specroll tree steps', 'oracle tau', 'oracle speedup', 'oracle tree steps'], rows)
+
+
+def plot_sweep(fig, sweep) -> None:
   batches = sorted(sweep)
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  ax1, ax2 = fig.subplots(1, 2)
   for name in ('specroll', 'oracle'):
     ax1.plot(batches, [sweep[b][name]['tau'] for b in batches], 'o-', label=name)
     ax2.plot(batches, [sweep[b][name]['speedup'] for b in batches], 'o-', label=name)
@@ -141,27 +155,24 @@ def main(argv):
   ax2.axhline(1.0, color='gray', lw=0.5)
   for ax in (ax1, ax2):
     ax.legend()
-  fig.tight_layout()
-  fig.savefig(out / 'tau_speedup.png', dpi=100)
-  print('\n'.join(lines + [''] + bucket_lines + [''] + sweep_lines))
 
 
-def bucket_table(run) -> list:
-  """Markdown rows: per batch bucket, vanilla's share of its decode time and tokens/s, and
-  for each speculative engine its tree width, price (plain steps), tau and speedup there."""
+def bucket_table(run) -> Table:
+  """Per batch bucket, vanilla's share of its decode time and tokens/s, and for each
+  speculative engine its tree width, price (plain steps), tau and speedup there."""
   speculative = [n for n in ('specroll', 'oracle') if n in run]
-  header = '| bucket | vanilla share | vanilla tok/s | ' + ' | '.join(
-      f'{n} width | {n} price | {n} tau | {n} speedup' for n in speculative) + ' |'
-  lines = [header, '|' + '---:|' * (3 + 4 * len(speculative))]
+  header = ['bucket', 'vanilla share', 'vanilla tok/s'] + [
+      f'{n} {what}' for n in speculative for what in ('width', 'price', 'tau', 'speedup')]
   fmt = lambda x, spec: '-' if x is None else format(x, spec)
+  rows = []
   for batch, v in sorted(run['vanilla']['buckets'].items()):
-    cells = [str(batch), f"{v['share']:.3f}", f"{v['tokens_per_s']:.1f}"]
+    cells = [batch, f"{v['share']:.3f}", f"{v['tokens_per_s']:.1f}"]
     for name in speculative:
       b = run[name]['buckets'].get(batch, {})
-      cells += [str(b.get('width', '-')), fmt(b.get('price'), '.2f'), fmt(b.get('tau'), '.2f'),
+      cells += [b.get('width', '-'), fmt(b.get('price'), '.2f'), fmt(b.get('tau'), '.2f'),
                 fmt(b.get('speedup'), '.2f')]
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  return lines
+    rows.append(cells)
+  return Table(header, rows)
 
 
 if __name__ == '__main__':

@@ -1,25 +1,20 @@
 """End-to-end GRPO benchmark: the same seeded run with each rollout engine, in one process.
 
-  python -m experiments.bench_e2e --config=configs/bench_w1.py
+  python -m experiments.bench.e2e --config=configs/bench_w1.py
 
 Each engine trains from the same initial policy, data and seed in a fresh workdir (the
 policy and the warm-started heads are cached and shared; their build time is excluded).
 Speedups are ratios of summed step times; the first step of each run includes compilation
 and is reported separately.
 """
-import json
-import sys
 from pathlib import Path
 
-import matplotlib
 from absl import app
 from ml_collections import config_flags
 
-from experiments.common import run_fresh, totals
+from experiments.lib.common import run_fresh, totals
+from experiments.lib.results import Figure, Result, Table, command_line, write
 from specroll_jax.rl.report import TIME_KEYS
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
 
@@ -33,8 +28,11 @@ def run_engine(c, engine: str) -> list[dict]:
 def main(argv):
   del argv
   c = _CONFIG.value
-  spec_heads = Path(c.workdir) / 'specroll' / 'heads'
   runs = {engine: run_engine(c, engine) for engine in c.engines}
+  write(report(c, runs), c.out_dir)
+
+
+def summary(c, runs) -> dict:
   time = {engine: totals(rows) for engine, rows in runs.items()}
   base, spec = time['vanilla'], time['specroll']
   same = [a['rollout_digest'] == b['rollout_digest']
@@ -43,9 +41,8 @@ def main(argv):
   # from the same policy, so each step is one paired comparison of single timings.
   by_step = [a['time_rollout'] / b['time_rollout']
              for a, b in zip(runs['vanilla'][1:], runs['specroll'][1:])]
-  result = {
-      'command': ' '.join(['python -m experiments.bench_e2e'] + sys.argv[1:]),
-      'steps': c.steps, 'heads_dir': str(spec_heads),
+  return {
+      'steps': c.steps, 'heads_dir': str(Path(c.workdir) / 'specroll' / 'heads'),
       'speedup_end_to_end': base['end_to_end'] / spec['end_to_end'],
       'speedup_generation': base['rollout'] / spec['rollout'],
       'min_speedup_over_batches': min(by_step),
@@ -58,32 +55,34 @@ def main(argv):
       'reward_by_step': {e: [r['reward'] for r in rows] for e, rows in runs.items()},
       'tau_by_step': [r['tau'] for r in runs['specroll']],
   }
-  out = Path(c.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
+
+
+def report(c, runs) -> Result:
+  data = summary(c, runs)
   keys = list(TIME_KEYS) + ['end_to_end']
-  lines = ['| engine | ' + ' | '.join(f'{k} s' for k in keys) + ' |',
-           '|---|' + '---:|' * len(keys)]
-  for engine, t in time.items():
-    lines.append(f'| {engine} | ' + ' | '.join(f'{t[k]:.1f}' for k in keys) + ' |')
-  summary = (f"end-to-end speedup {result['speedup_end_to_end']:.2f}x, generation speedup "
-             f"{result['speedup_generation']:.2f}x (per step: min {min(by_step):.2f}x), mean tau "
-             f"{result['tau']:.2f}, identical rollouts in {sum(same)}/{len(same)} steps")
-  (out / 'README.md').write_text(
-      f"# End-to-end GRPO benchmark (W1)\n\nCommand: `{result['command']}`; steps 2..{c.steps} "
-      f"(step 1 compiles).\n\n{summary}\n\n" + '\n'.join(lines)
-      + '\n\n![reward and tau](e2e.png)\n')
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  table = Table(['engine'] + [f'{k} s' for k in keys],
+                [[engine] + [f'{t[k]:.1f}' for k in keys]
+                 for engine, t in data['time_breakdown_s'].items()], align='l' + 'r' * len(keys))
+  return Result(
+      title='End-to-end GRPO benchmark (W1)', command=command_line('experiments.bench.e2e'),
+      data=data,
+      body=[f'Steps 2..{c.steps} (step 1 compiles): end-to-end speedup '
+            f"{data['speedup_end_to_end']:.2f}x, generation speedup "
+            f"{data['speedup_generation']:.2f}x (per step: min "
+            f"{data['min_speedup_over_batches']:.2f}x), mean tau {data['tau']:.2f}, identical "
+            f"rollouts in {data['identical_rollout_steps']}/{len(runs['specroll'])} steps.",
+            table],
+      figures=[Figure('e2e.png', 'reward and tau', lambda fig: plot_runs(fig, runs))])
+
+
+def plot_runs(fig, runs) -> None:
+  ax1, ax2 = fig.subplots(1, 2)
   for engine, rows in runs.items():
     ax1.plot([r['step'] for r in rows], [r['reward'] for r in rows], label=engine)
   ax1.set(xlabel='GRPO step', ylabel='reward')
   ax1.legend()
-  ax2.plot([r['step'] for r in runs['specroll']], result['tau_by_step'])
+  ax2.plot([r['step'] for r in runs['specroll']], [r['tau'] for r in runs['specroll']])
   ax2.set(xlabel='GRPO step', ylabel='tau (specroll)')
-  fig.tight_layout()
-  fig.savefig(out / 'e2e.png', dpi=100)
-  print(summary)
-  print('\n'.join(lines))
 
 
 if __name__ == '__main__':

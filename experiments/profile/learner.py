@@ -1,6 +1,6 @@
 """The GRPO learner step's FLOP rate against this machine's matmul rate.
 
-  python -m experiments.profile_learner --config=configs/bench_w1.py
+  python -m experiments.profile.learner --config=configs/bench_w1.py
 
 Times `grpo.train_step` on a batch of the config's shape (prompts_per_step x group_size
 rows, the trainer's width, the task's own prompts and full-length random responses). The
@@ -13,13 +13,10 @@ float32 matmul on the same backend. Memory: XLA's temporary buffers of the compi
 process's peak resident set.
 """
 import dataclasses
-import json
 import resource
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +30,8 @@ from specroll_jax.rl.rollouts import run_prompt_width
 from specroll_jax.rl.run import resolve_policy
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.tasks.sources import load_tasks
-from experiments.common import trainer_part
+from experiments.lib.common import trainer_part
+from experiments.lib.results import Result, Table, command_line, write
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_w1.py')
 flags.DEFINE_integer('repeats', 3, 'Timed train steps after the compiling one.')
@@ -125,7 +123,6 @@ def main(argv):
   roof = matmul_rate(FLAGS.matmul_size, FLAGS.repeats)
   memory = compiled.memory_analysis()
   result = {
-      'command': ' '.join(['python -m experiments.profile_learner'] + sys.argv[1:]),
       'backend': jax.default_backend(), 'rows': int(batch.tokens.shape[0]),
       'width': int(batch.tokens.shape[1]), 'micro_batch_size': config.micro_batch_size,
       'harvest_top_k': config.harvest_top_k, 'stream_logits': config.stream_logits,
@@ -137,20 +134,15 @@ def main(argv):
       # Linux reports ru_maxrss in KiB.
       'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
   }
-  out = Path(FLAGS.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=2) + '\n')
-  (out / 'README.md').write_text(
-      f"# GRPO learner step (profile_learner)\n\nCommand: `{result['command']}` "
-      f"(backend {result['backend']})\n\n"
-      '| rows x width | streamed logits | parameters | step s | GFLOP (XLA) | GFLOP/s | '
-      'matmul GFLOP/s | share | temp MiB | peak RSS MiB |\n'
-      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n'
-      f"| {result['rows']} x {result['width']} | {config.stream_logits} | {num_params:,} | "
-      f"{seconds:.3f} | {result['step_gflop']:.2f} | {result['step_gflop_per_s']:.1f} | "
-      f"{result['matmul_gflop_per_s']:.1f} | {result['fraction_of_matmul_rate']:.1%} | "
-      f"{result['temp_mib']:.0f} | {result['peak_rss_mib']:.0f} |\n")
-  print(json.dumps(result, indent=2))
+  table = Table(['rows x width', 'streamed logits', 'parameters', 'step s', 'GFLOP (XLA)',
+                 'GFLOP/s', 'matmul GFLOP/s', 'share', 'temp MiB', 'peak RSS MiB'],
+                [[f"{result['rows']} x {result['width']}", config.stream_logits,
+                  f'{num_params:,}', f'{seconds:.3f}', f"{result['step_gflop']:.2f}",
+                  f"{result['step_gflop_per_s']:.1f}", f"{result['matmul_gflop_per_s']:.1f}",
+                  f"{result['fraction_of_matmul_rate']:.1%}", f"{result['temp_mib']:.0f}",
+                  f"{result['peak_rss_mib']:.0f}"]], align='l' + 'r' * 9)
+  write(Result('GRPO learner step (profile.learner)', command_line('experiments.profile.learner'),
+               result, body=[f"Backend {result['backend']}.", table]), FLAGS.out_dir)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """How often any drafter's top-k can hold the policy's T=1 draw: the ceiling under tau.
 
-  python -m experiments.measure_draft_ceiling --out_dir=results/drafts_w3/ceiling
+  python -m experiments.measure.draft_ceiling --out_dir=results/drafts_w3/ceiling
 
 At T=1 the walk accepts a drafted child when the policy's draw equals it, so a drafter whose
 top-1 guess for x_{t+1} is the best possible one (the policy's own argmax, knowing the whole
@@ -14,21 +14,18 @@ draw equals the argmax is printed beside E[max p]: the two estimate the same num
 
 The ceiling on tau itself, for a static tree of N nodes per row: a drafter that knew the
 policy's law at every depth of every drafted path (the policy drafting for itself, at no
-cost) is a set of rank paths (experiments.rank_trees), and the ranks of the policy's own T=1
+cost) is a set of rank paths (experiments.lib.rank_trees), and the ranks of the policy's own T=1
 answers under its laws are Monte Carlo draws of its walk. The best N-node tree is chosen on
 one half of the answers and its tau (1 + accepted depth) measured on the other, both ways.
 """
-import json
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.rank_trees import RANKS, two_fold_tau
+from experiments.lib.rank_trees import RANKS, two_fold_tau
 from specroll_jax import load_policy
 from specroll_jax.model.transformer import padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
@@ -38,6 +35,7 @@ from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.sources import load_tasks
+from experiments.lib.results import Result, Table, command_line, write
 
 _POLICY = flags.DEFINE_string('policy', 'workdir/models/smollm2-135m-instruct',
                               'An HF policy directory.')
@@ -49,7 +47,7 @@ _DATA = flags.DEFINE_string('data_dir', None, 'Data directory (default ../shared
 _SEED = flags.DEFINE_integer('seed', 0, 'Task draw and sampling seed.')
 _OUT = flags.DEFINE_string('out_dir', 'results/drafts_w3/ceiling', 'Where results go.')
 ROWS_PER_FORWARD = 8
-BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench_drafts' budgets)
+BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench.drafts' budgets)
 DEPTHS = (4, 15)       # the heads' and drafter's depth; and as deep as 16 nodes allow
 
 
@@ -97,7 +95,6 @@ def main(argv):
   drawn = np.concatenate(ranks_by_answer)
   top_k_mass = np.cumsum(masses, axis=-1).mean(axis=0)
   result = {
-      'command': ' '.join(['python -m experiments.measure_draft_ceiling', *sys.argv[1:]]),
       'policy': _POLICY.value, 'prompts': f'{_SOURCE.value}:{_SPLIT.value}',
       'answers': len(responses), 'positions': int(len(masses)),
       'expected_max_prob': float(top_k_mass[0]),
@@ -108,10 +105,15 @@ def main(argv):
       'tau_ceiling': {f'{nodes}_nodes_depth_{depth}': two_fold_tau(ranks_by_answer, nodes, depth)
                       for nodes in BUDGETS for depth in DEPTHS},
   }
-  out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
-  print(json.dumps(result, indent=1))
+  write(Result(
+      'The static-tree ceiling: tau of a drafter that knows the policy\'s law',
+      command_line('experiments.measure.draft_ceiling'), result,
+      body=[f"{result['positions']} positions of {result['answers']} answers to "
+            f"{result['prompts']}; the best tree of each size chosen on one half of the answers, "
+            'measured on the other.',
+            Table(['nodes, depth', 'tau'], [[key.replace('_nodes_depth_', ', '), f'{tau:.3f}']
+                                            for key, tau in result['tau_ceiling'].items()],
+                  align='lr')]), _OUT.value)
 
 
 if __name__ == '__main__':
