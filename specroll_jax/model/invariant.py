@@ -12,10 +12,8 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
   (measured K = 32, 64, 96, 160, 192, 256, 320, 576, 1536: invariant; 8, 16, 48, 172, 176,
   200: a row's bits change from 4-8 rows on). So every contraction is zero-padded to a
   multiple of 32 (SmolLM2's 64, 576 and 1536 need none). A contraction's result does change
-  with its padded length, so the length is fixed per weight.
-- Attention's contractions mix activations whose dots XLA fused differently per program
-  (invariant_attention.py), so they are `exact_matmul`: fixed-point halves whose bf16 dots
-  sum integers below 2^24, the same in any order, on the matrix unit.
+  with its padded length, so the length is fixed per weight. Attention's contractions are
+  not dots at all (invariant_attention.py says why): `pairwise_dot`.
 - XLA's reduce changes its order with the number of rows: sums are `pairwise_sum`, a fixed
   tree of elementwise adds over a power-of-two length. Zero padding leaves it unchanged
   (x + 0 = x at every level whose upper half is zeros), so a sum over a longer buffer whose
@@ -31,7 +29,7 @@ backend (XLA:CPU, jax 0.10.2, AMX-BF16) was measured to do, and what each rule a
   parts (x^2 to 2^-16); the softmax scale is applied to q before the scores; XLA
   rewrites a division by a constant as a product, so none feeds an add either.
 - Denormals are flushed on some threads and not on others: exponents below `EXP_FLOOR`
-  become exactly 0 (e^-40 ~ 2^-58, so a weight times a value stays a normal number).
+  become exactly 0.
 - 1 / sqrt instead of rsqrt, whose bits vary with the shape here.
 Checked on the engines by `tests/model/test_bf16_compute.py`.
 """
@@ -43,10 +41,7 @@ import jax.numpy as jnp
 BF16 = jnp.bfloat16
 MIN_MATMUL_ROWS = 3
 CONTRACTION_QUANTUM = 32
-EXP_FLOOR = -40.0
-FIXED_POINT_BITS = 16
-# K * 2^16 < 2^24: exact_matmul's integer sums stay exact in float32.
-MAX_EXACT_TERMS = 256
+EXP_FLOOR = -80.0
 
 
 def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -63,55 +58,41 @@ def pairwise_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jax.lax.squeeze(x, (axis,))
 
 
-def fixed_point_parts(x: jax.Array, axis: int):
-  """x ~ (hi * 2^8 + lo) * scale along `axis`: integers hi in [-128, 128] and lo in
-  [0, 256), both exact in bf16, and one power-of-two scale per slice (from the slice's largest
-  |x|, which no order of evaluation changes), so x is held to 2^-15 of that largest entry.
-  The same x gives the same parts in any program."""
-  peak = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  _, exponent = jnp.frexp(peak)  # peak < 2^exponent
-  scale = jnp.ldexp(jnp.ones_like(peak), exponent - (FIXED_POINT_BITS - 1))
-  whole = jnp.round(x / scale)  # |whole| <= 2^15
-  hi = jnp.floor(whole / 256.0)
-  return hi, whole - 256.0 * hi, scale
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def pairwise_dot(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+  """pairwise_sum(a * b, axis), bit for bit, for bf16-representable a and b (exact products;
+  a and b broadcast against each other), written as one expression over the axis' slices,
+  so that XLA fuses the whole tree into one loop and never materialises the products or a
+  level of the tree (a product tensor and its levels were most of the attention's time).
+  Its gradient is a plain broadcast-multiply-sum: only the forward values must not move."""
+  axis = axis % a.ndim
+  length = 1 << max(0, (a.shape[axis] - 1).bit_length())
+  a, b = pad_axis(a, axis, length), pad_axis(b, axis, length)
+  term = lambda i: (jax.lax.index_in_dim(a, i, axis, keepdims=False)
+                    * jax.lax.index_in_dim(b, i, axis, keepdims=False))
+  terms = [term(i) for i in range(length)]
+  while len(terms) > 1:
+    half = len(terms) // 2
+    terms = [terms[i] + terms[i + half] for i in range(half)]
+  return terms[0]
 
 
-@jax.custom_vjp
-def exact_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a [..., M, K] @ b [..., K, N] on the matrix unit, with bits no kernel can move.
-
-  Each row of a and each column of b is held as 16-bit fixed point under its own
-  power-of-two scale (`fixed_point_parts` along K), and the four products of their 8-bit
-  halves are bf16 dots with float32 accumulation whose every partial sum is an integer below
-  2^24 (|hi x hi| <= 2^14, |hi x lo|, |lo x lo| < 2^16, times K <= MAX_EXACT_TERMS): exact
-  in any order, so any kernel, blocking or thread split (XLA:CPU's choice moved with the
-  program around the dot, invariant_attention.py) gives the same integers. The halves are
-  combined by one fixed expression, whose products by powers of two are exact, fused or not.
-  Its gradient is the plain product's: only the forward values must not move."""
-  contraction = a.shape[-1]
-  if contraction > MAX_EXACT_TERMS:
-    raise ValueError(f'exact_matmul contracts {contraction} terms; at most {MAX_EXACT_TERMS} '
-                     'keep its integer sums below 2^24')
-  a_hi, a_lo, a_scale = fixed_point_parts(a, -1)
-  b_hi, b_lo, b_scale = fixed_point_parts(b, -2)
-  dot = lambda x, y: jnp.matmul(x.astype(BF16), y.astype(BF16),
-                                preferred_element_type=jnp.float32)
-  whole = (dot(a_hi, b_hi) * 65536.0 + (dot(a_hi, b_lo) + dot(a_lo, b_hi)) * 256.0
-           + dot(a_lo, b_lo))
-  return whole * a_scale * b_scale
+def _pairwise_dot_forward(a, b, axis):
+  return pairwise_dot(a, b, axis), (a, b)
 
 
-def _exact_matmul_forward(a, b):
-  return exact_matmul(a, b), (a, b)
-
-
-def _exact_matmul_backward(residuals, grad):
+def _pairwise_dot_backward(axis, residuals, grad):
   a, b = residuals
-  return (jnp.matmul(grad, jnp.swapaxes(b, -1, -2)).astype(a.dtype),
-          jnp.matmul(jnp.swapaxes(a, -1, -2), grad).astype(b.dtype))
+  grad = jnp.expand_dims(grad, axis % a.ndim)
+
+  def reduced_to(x, other):
+    summed = tuple(i for i, (n, m) in enumerate(zip(x.shape, other.shape)) if n == 1 and m > 1)
+    return jnp.sum(grad * other, axis=summed, keepdims=True).astype(x.dtype)
+
+  return reduced_to(a, b), reduced_to(b, a)
 
 
-exact_matmul.defvjp(_exact_matmul_forward, _exact_matmul_backward)
+pairwise_dot.defvjp(_pairwise_dot_forward, _pairwise_dot_backward)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
@@ -226,9 +207,11 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention_weights(scores: jax.Array, peak: jax.Array, visible: jax.Array) -> jax.Array:
-  """exp(scores - peak) where visible and above the floor, else exactly 0."""
+  """exp(scores - peak) where visible and above the floor, else exactly 0; rounded to bf16
+  (the value both the numerator's products and the denominator read)."""
   z = scores - peak
-  return jnp.where(visible & (z > EXP_FLOOR), jnp.exp(jnp.maximum(z, EXP_FLOOR)), 0.0)
+  weights = jnp.where(visible & (z > EXP_FLOOR), jnp.exp(jnp.maximum(z, EXP_FLOOR)), 0.0)
+  return weights.astype(BF16).astype(jnp.float32)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -5,22 +5,12 @@ A query at absolute position p must get the same bits whether its keys sit in th
 block (prefill, the learner's full sequence), and whatever the cache window. So every query
 sums over keys laid out by absolute position, cut into chunks of `CHUNK` positions:
 
-  scores   q . k (`invariant.exact_matmul`: each query and key in 16-bit fixed point under
-           its own power-of-two scale, summed exactly on the matrix unit);
+  scores   q . k: exact bf16 products and a pairwise sum over head_dim (`pairwise_dot`);
   peak     the max over the visible scores (exact in any order);
-  weights  exp(score - peak), 0 where hidden or below the floor;
-  chunk j  its numerator sum_p w_p v_p (`exact_matmul` over the CHUNK positions: each
-           query's weights and each head dimension's values under a scale of the chunk's
-           own, from its visible positions) and its denominator (a pairwise sum);
+  weights  exp(score - peak), 0 where hidden or below the floor, rounded to bf16;
+  chunk j  its numerator sum_p w_p v_p (`pairwise_dot` over the CHUNK positions) and its
+           denominator (a pairwise sum of the same rounded weights);
   total    a pairwise sum over the chunk index, then numerator / denominator.
-
-As plain dots (float32 products, or bf16 products summed by the kernel), the kernel XLA
-picked, and so the bits, changed with the program around them: scores with q as rows broke
-SmolLM2, with the keys as rows stories260K (a full-sequence forward against prefill +
-decode), although every form was invariant in isolation. Exact integer sums cannot move.
-A chunk's value scale must be the same in every context: a chunk wholly below the query's
-own chunk is seen whole everywhere; the query's own chunk holds only its visible positions
-(later ones are zeros), in a decode step, a tree and a full sequence alike.
 
 Chunks past a query's position are all zeros, so windows of different lengths give the same
 pairwise sums. Cache slot s holds position s. The block's key j sits at position L + d_j,
@@ -39,16 +29,25 @@ CHUNK = 32  # positions per chunk; cache windows of other lengths are padded to 
 
 
 def _scores(qg, keys):
-  """qg [B, KVH, Q, Dh] . keys [B, KVH, Dh, S] -> float32 [B, KVH, Q, S] (each query and
-  each key under its own fixed-point scale)."""
-  return invariant.exact_matmul(qg, keys)
+  """qg [B, KVH, Q, Dh] . keys [B, KVH, Dh, S] -> float32 [B, KVH, Q, S], as exact bf16
+  products and a pairwise sum over Dh. As a dot, with either operand as rows, XLA picked
+  kernels whose bits changed with the program around them (SmolLM2 with q as rows,
+  stories260K with the keys as rows: a full-sequence forward against prefill + decode)."""
+  to_bf16 = lambda a: a.astype(invariant.BF16).astype(jnp.float32)
+  # Over Dh as the leading axis: the tree adds whole [Q, S] planes.
+  return invariant.pairwise_dot(jnp.swapaxes(to_bf16(qg), 2, 3)[:, :, :, :, None],
+                                to_bf16(keys)[:, :, :, None], axis=2)
 
 
 def _chunk_sums(values, weights):
   """values [..., C, Dh] and weights [..., Q, C] -> numerators [..., Dh, Q], denominators
-  [..., Q]: one chunk's share of each query's attention. A chunk's values share one scale
-  per head dimension, from the chunk's visible positions: invisible ones hold zeros."""
-  numerators = jnp.swapaxes(invariant.exact_matmul(weights, values), -1, -2)
+  [..., Q]: one chunk's share of each query's attention."""
+  to_bf16 = lambda a: a.astype(invariant.BF16).astype(jnp.float32)
+  # Exact bf16 products and a pairwise sum over C, in whole [Q, Dh] planes: as a dot, the
+  # kernel XLA picked, and so the bits, changed with the program around it.
+  numerators = jnp.swapaxes(invariant.pairwise_dot(
+      to_bf16(values)[..., :, None, :], jnp.swapaxes(to_bf16(weights), -1, -2)[..., None],
+      axis=-3), -1, -2)
   return numerators, invariant.pairwise_sum(weights)
 
 
@@ -79,41 +78,13 @@ def block_only_attention(qg, k_block, v_block, visible):
   """An empty cache: block key j at position j (prefill, the learner's full sequence).
 
   qg [B, KVH, Q, Dh]; k_block [B, KVH, Dh, T]; v_block [B, KVH, T, Dh]; visible [B, 1, Q, T].
-  A query's chunks below its own are whole (shared by every later query); its own chunk
-  holds its visible positions only, as a decode step's last chunk does.
   """
-  batch, num_kv, queries, head_dim = qg.shape
-  t_len = v_block.shape[2]
-  groups = queries // t_len
   scores = _scores(qg, k_block)
   weights = invariant.attention_weights(
       scores, _peak(jnp.where(visible, scores, -jnp.inf)), visible)
-  padded_values = _pad_to_chunks(v_block, 2)                          # [B, KVH, J*C, Dh]
-  padded_weights = _pad_to_chunks(weights, 3)                         # [B, KVH, Q, J*C]
-  chunks = padded_values.shape[2] // CHUNK
-  own_chunk = jnp.repeat(jnp.arange(t_len) // CHUNK, groups)          # [Q], rows (t, g)
-  below = jnp.arange(chunks)[None, :] < own_chunk[:, None]            # [Q, J]
-  shared_weights = jnp.where(below[:, :, None], _chunked(padded_weights, 3), 0.0)
-  numerators, denominators = _chunk_sums(_chunked(padded_values, 2),
-                                         jnp.swapaxes(shared_weights, 2, 3))
-
-  # Each token's own chunk: its visible positions, zeros after them.
-  positions = (jnp.arange(t_len) // CHUNK * CHUNK)[:, None] + jnp.arange(CHUNK)[None, :]
-  token_visible = visible[:, :, ::groups]                             # [B, 1, T, T]
-  seen = jnp.take_along_axis(_pad_to_chunks(token_visible, 3),
-                             positions[None, None], axis=3)           # [B, 1, T, C]
-  own_values = jnp.where(seen[..., None], padded_values[:, :, positions], 0.0)
-  own_weights = jnp.take_along_axis(
-      padded_weights.reshape(batch, num_kv, t_len, groups, -1),
-      positions[None, None, :, None, :], axis=4)                      # [B, KVH, T, G, C]
-  own_numerators, own_denominators = _chunk_sums(own_values, own_weights)
-  own_numerators = own_numerators.transpose(0, 1, 3, 2, 4).reshape(batch, num_kv, head_dim,
-                                                                   queries)
-  own_denominators = own_denominators.reshape(batch, num_kv, queries)
-  is_own = (jnp.arange(chunks)[:, None] == own_chunk[None, :])        # [J, Q]
-  numerators = jnp.where(is_own[:, None, :], own_numerators[:, :, None], numerators)
-  denominators = jnp.where(is_own, own_denominators[:, :, None], denominators)
-  return _finish(numerators, denominators)
+  values = _chunked(_pad_to_chunks(v_block, 2), 2)                    # [B, KVH, J, C, Dh]
+  weights = jnp.swapaxes(_chunked(_pad_to_chunks(weights, 3), 3), 2, 3)  # [B, KVH, J, Q, C]
+  return _finish(*_chunk_sums(values, weights))
 
 
 def cached_attention(qg, k_cache, v_cache, cache_lengths, k_block, v_block, block_mask):

@@ -58,48 +58,11 @@ def test_pairwise_sums_are_unchanged_by_zero_padding_and_rows():
   alone = np.asarray(jax.jit(invariant.pairwise_sum)(x[3:4]))
   np.testing.assert_array_equal(whole, padded)
   np.testing.assert_array_equal(whole[3], alone[0])
-
-
-def test_exact_matmul_is_the_same_integers_in_any_order():
-  """Computed by XLA's bf16 dots (any rows, any batch) or by numpy in float64 from the same
-  fixed-point halves, a row's result has the same bits: its sums are exact integers."""
-  rng = np.random.default_rng(1)
-  a = jnp.asarray(rng.standard_normal((2, 7, 64)) * np.exp(rng.standard_normal((2, 7, 1))),
-                  jnp.float32)
-  b = jnp.asarray(rng.standard_normal((2, 64, 33)), jnp.float32)
-  product = np.asarray(jax.jit(invariant.exact_matmul)(a, b))
-  alone = np.asarray(jax.jit(invariant.exact_matmul)(a[1:, 3:4], b[1:]))
-  np.testing.assert_array_equal(product[1, 3], alone[0, 0])
-  (a_hi, a_lo, a_scale), (b_hi, b_lo, b_scale) = (
-      [np.asarray(p, np.float64) for p in invariant.fixed_point_parts(a, -1)],
-      [np.asarray(p, np.float64) for p in invariant.fixed_point_parts(b, -2)])
-  f32 = lambda x: np.asarray(x, np.float32)
-  whole = (f32(a_hi @ b_hi) * np.float32(65536) + (f32(a_hi @ b_lo) + f32(a_lo @ b_hi))
-           * np.float32(256) + f32(a_lo @ b_lo))
-  np.testing.assert_array_equal(product, whole * f32(a_scale) * f32(b_scale))
-
-
-def test_exact_matmul_is_within_its_fixed_point_rounding():
-  """Each entry is held to half its slice's step, 2^-16 of 2^e > max |x|, so within
-  2^-15 max |x|; a sum of K products then errs by at most 2^-15 (max|a| sum|b| + max|b|
-  sum|a|) + K 2^-30 max|a| max|b|, and combining the halves in float32 adds 2^-22 of the
-  sum of |products| at most: under 2^-14 (max|a| sum|b| + max|b| sum|a|)."""
-  rng = np.random.default_rng(2)
-  a = rng.standard_normal((5, 48)) * np.exp(rng.standard_normal((5, 48)))
-  b = rng.standard_normal((48, 6))
-  exact = np.asarray(invariant.exact_matmul(jnp.asarray(a, jnp.float32),
-                                            jnp.asarray(b, jnp.float32)), np.float64)
-  a64, b64 = np.asarray(a, np.float32).astype(np.float64), np.asarray(b, np.float32).astype(
-      np.float64)
-  bound = 2.0 ** -14 * (np.abs(a64).max(1, keepdims=True) * np.abs(b64).sum(0, keepdims=True)
-                        + np.abs(b64).max(0, keepdims=True) * np.abs(a64).sum(1, keepdims=True))
-  assert np.all(np.abs(exact - a64 @ b64) <= bound)
-  grads = jax.grad(lambda x, y: invariant.exact_matmul(x, y).sum(), argnums=(0, 1))(
-      jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  plain = jax.grad(lambda x, y: (x @ y).sum(), argnums=(0, 1))(
-      jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  for got, want in zip(grads, plain):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The fused product tree is the same tree: bit for bit pairwise_sum(a * b) on bf16 values.
+  a = x.astype(jnp.bfloat16).astype(jnp.float32)
+  b = jnp.flip(a, axis=0)
+  np.testing.assert_array_equal(np.asarray(jax.jit(invariant.pairwise_dot, static_argnums=2)(a, b, 1)),
+                                np.asarray(jax.jit(invariant.pairwise_sum)(a * b)))
 
 
 @pytest.mark.parametrize('projection', ['matmul', 'table_matmul'])
