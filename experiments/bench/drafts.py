@@ -29,11 +29,10 @@ from specroll_jax import load_policy
 from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import drafter_metadata
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.engine import SpecEngine
-from specroll_jax.speculative.factory import head_proposer
+from specroll_jax.speculative.factory import build_engine, head_proposer
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
 from specroll_jax.speculative.heads import heads_metadata
@@ -99,14 +98,13 @@ def cell_workload(c, prompts, responses: int):
 
 
 def fixed_budget_engine(policy, proposer, sampler, nodes: int, responses: int) -> SpecEngine:
-  return SpecEngine(policy.config, proposer,
-                    TreeConfig(max_nodes=nodes, capacity_tokens=nodes * responses), sampler,
-                    policy.eos_ids)
+  return build_engine(policy, 'specroll', sampler, proposer=proposer,
+                      tree=TreeConfig(max_nodes=nodes, capacity_tokens=nodes * responses))
 
 
 def run_cell(policy, c, built, prompts, nodes, responses, sampler) -> dict:
   prompts, samples, rollout = cell_workload(c, prompts, responses)
-  reference = Driver(VanillaEngine(policy.config, sampler, policy.eos_ids), rollout).generate(
+  reference = Driver(build_engine(policy, 'vanilla', sampler), rollout).generate(
       policy.params, prompts, samples, c.seed)
   out = {}
   for name, (proposer, proposer_params) in built.items():

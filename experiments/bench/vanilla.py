@@ -24,7 +24,7 @@ from absl import app, flags
 from specroll_jax import load_policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks.data import load_dataset
 from experiments.lib.common import DEFAULT_CHECKPOINT, left_padded
 from experiments.lib.results import Result, Table, command_line, write
@@ -73,7 +73,7 @@ def _time(fn, repeats):
 
 def bench_model(name: str, directory: Path, prompts: list[list[int]], new: int) -> dict:
   policy = load_policy(directory)
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=1.0), eos_ids=())
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=1.0), eos_ids=())
   driver = Driver(engine, RolloutConfig(max_new_tokens=new, max_batch=len(prompts),
                                         prompt_buckets_per_octave=FLAGS.prompt_buckets_per_octave))
   ours = lambda: driver.generate(policy.params, prompts, 1, seed=0)

@@ -24,8 +24,7 @@ from specroll_jax import load_policy
 from specroll_jax.model.policy import Policy
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.speculative.heads import HeadsConfig, init_heads
 from specroll_jax.speculative.oracle_proposer import OracleProposer
@@ -58,7 +57,7 @@ def identical(a, b) -> int:
 def decode_step_seconds(policy: Policy, prompts, steps: int = 64) -> float:
   """The vanilla step's time at 64 rows: one on-device loop of `steps` steps."""
   rows = [prompts[i % len(prompts)] for i in range(64)]
-  driver = Driver(VanillaEngine(policy.config, SamplerConfig(1.0), ()),
+  driver = Driver(build_engine(policy, 'vanilla', SamplerConfig(1.0), eos_ids=()),
                   RolloutConfig(steps, max_batch=64))
   driver.generate(policy.params, rows, 1, 0)
   times = []
@@ -76,15 +75,17 @@ def measure(mode: str, prompts) -> dict:
     run = lambda engine, max_batch, params: Driver(
         engine, RolloutConfig(_TOKENS.value, max_batch=max_batch)).generate(
             params, prompts, _SAMPLES.value, 0)
-    vanilla = VanillaEngine(policy.config, sampler, ())
+    vanilla = build_engine(policy, 'vanilla', sampler, eos_ids=())
     wide, narrow = run(vanilla, 64, policy.params), run(vanilla, 8, policy.params)
     heads = init_heads(HEADS, policy.config, seed=1)
     tree = TreeConfig(max_nodes=16, capacity_tokens=512)
     base = HeadProposer(policy.config, HEADS, HeadDraftConfig((4, 2, 2, 2)), sampler)
-    oracle = SpecEngine(policy.config, OracleProposer(base.depth, base=base), tree, sampler, ())
+    oracle = build_engine(policy, 'specroll', sampler, proposer=OracleProposer(base.depth, base=base),
+                          tree=tree, eos_ids=())
     with_oracle = run(oracle, 64, oracle_engine_params(oracle, policy, wide, _TOKENS.value,
                                                        heads))
-    with_heads_engine = SpecEngine(policy.config, base, tree, sampler, ())
+    with_heads_engine = build_engine(policy, 'specroll', sampler, proposer=base, tree=tree,
+                                     eos_ids=())
     with_heads = run(with_heads_engine, 64, with_heads_engine.params(policy.params, heads))
     tau = lambda rs: sum(len(r.token_ids) for r in rs) / sum(r.steps for r in rs)
     result[name] = {'vanilla_bucket_8_vs_64': identical(narrow, wide),

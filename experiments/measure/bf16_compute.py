@@ -29,10 +29,9 @@ from specroll_jax.model.policy import load_policy
 from specroll_jax.rl import grpo
 from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.drafter import DrafterConfig, init_drafter
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.speculative.oracle_proposer import OracleParams, OracleProposer
 from specroll_jax.speculative.step_cost import STEPS_PER_CALL, compiled_steps, measure_step_costs
 from specroll_jax.speculative.tree import TreeConfig
@@ -71,7 +70,7 @@ def decode_step_ms(policies, prompts, rows):
   """{mode: median ms per vanilla step} at `rows` rows, the modes' calls alternating."""
   steps, states = {}, {}
   for mode, policy in policies.items():
-    engine = VanillaEngine(policy.config, SAMPLER, ())
+    engine = build_engine(policy, 'vanilla', SAMPLER, eos_ids=())
     params = engine.params(policy.params)
     states[mode] = (params, _first_state(engine, params, prompts, rows))
     steps[mode] = compiled_steps(engine.step)
@@ -91,10 +90,11 @@ def decode_step_ms(policies, prompts, rows):
 def tree_price(policy, prompts, drafter_params, batch, nodes):
   """Tree step / plain step at `batch` rows and `nodes` nodes per row, same mode."""
   config = DrafterConfig()
-  engine = SpecEngine(policy.config, DrafterProposer(policy.config, config,
-                                                     spine_paths(DRAFTER_SPINE), SAMPLER),
-                      TreeConfig(capacity_tokens=batch * nodes, max_nodes=16,
-                                 sized_widths=((batch, nodes),)), SAMPLER, ())
+  engine = build_engine(
+      policy, 'specroll', SAMPLER,
+      proposer=DrafterProposer(policy.config, config, spine_paths(DRAFTER_SPINE), SAMPLER),
+      tree=TreeConfig(capacity_tokens=batch * nodes, max_nodes=16,
+                      sized_widths=((batch, nodes),)), eos_ids=())
   params = engine.params(policy.params, drafter_params)
   state = _first_state(engine, params, prompts, batch)
   ((_, cost),) = measure_step_costs(engine, params, state, jax.random.key(0), (batch,),
@@ -112,15 +112,14 @@ def identity_checks(policy, prompts):
   """Counts of responses equal bit for bit (tokens and log-probs), of len(prompts)."""
   run = lambda engine, params, rows: Driver(engine, RolloutConfig(
       max_new_tokens=NEW_TOKENS, max_batch=rows)).generate(params, prompts, 1, seed=3)
-  vanilla = VanillaEngine(policy.config, SAMPLER, policy.eos_ids)
+  vanilla = build_engine(policy, 'vanilla', SAMPLER)
   batched = run(vanilla, vanilla.params(policy.params), len(prompts))
   alone = run(vanilla, vanilla.params(policy.params), 1)
   future = np.zeros((len(batched), NEW_TOKENS), np.int32)
   for i, r in enumerate(batched):
     future[i, :len(r.token_ids)] = r.token_ids
-  oracle = SpecEngine(policy.config, OracleProposer(4), TreeConfig(capacity_tokens=64,
-                                                                   max_nodes=16), SAMPLER,
-                      policy.eos_ids)
+  oracle = build_engine(policy, 'specroll', SAMPLER, proposer=OracleProposer(4),
+                        tree=TreeConfig(capacity_tokens=64, max_nodes=16))
   spec = run(oracle, oracle.params(policy.params, OracleParams(None, jnp.asarray(future))),
              len(prompts))
   rows = [list(prompts[r.prompt_index]) + list(r.token_ids) for r in batched]
@@ -146,7 +145,7 @@ def hf_generate_ratio(policy, prompts, rows):
   hf = transformers.AutoModelForCausalLM.from_pretrained(FLAGS.checkpoint, dtype=torch.bfloat16)
   hf.eval()
   batch = left_padded(prompts[:rows], 0)
-  engine = VanillaEngine(policy.config, SAMPLER, ())
+  engine = build_engine(policy, 'vanilla', SAMPLER, eos_ids=())
   driver = Driver(engine, RolloutConfig(max_new_tokens=NEW_TOKENS, max_batch=rows))
   params = engine.params(policy.params)
   ours = lambda: driver.generate(params, prompts[:rows], 1, seed=0)

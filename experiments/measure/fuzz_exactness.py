@@ -35,10 +35,9 @@ from experiments.lib.workloads import oracle_engine_params
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
-from specroll_jax.speculative.engine import SpecEngine
 from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, init_drafter
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
 from specroll_jax.speculative.heads import HeadsConfig, init_heads
@@ -198,12 +197,12 @@ def run_case(case: Case) -> Outcome:
   sampler, eos = case.sampler, () if case.eos < 0 else (case.eos,)
   rollout = RolloutConfig(max_new_tokens=case.max_new_tokens, max_batch=case.max_batch)
   prompts = [list(p) for p in case.prompts]
-  vanilla = Driver(VanillaEngine(config, sampler, eos), rollout).generate(
+  vanilla = Driver(build_engine(policy, 'vanilla', sampler, eos_ids=eos), rollout).generate(
       policy.params, prompts, case.num_samples, case.seed)
   proposer, heads = _proposer(case, config)
-  engine = SpecEngine(config, proposer, TreeConfig(max_nodes=case.max_nodes,
-                                                   capacity_tokens=case.capacity_tokens),
-                      sampler, eos)
+  engine = build_engine(policy, 'specroll', sampler, proposer=proposer,
+                        tree=TreeConfig(max_nodes=case.max_nodes,
+                                        capacity_tokens=case.capacity_tokens), eos_ids=eos)
   params = (oracle_engine_params(engine, policy, vanilla, case.max_new_tokens, heads)
             if case.proposer == 'oracle' else engine.params(policy.params, heads))
   spec = Driver(engine, rollout).generate(params, prompts, case.num_samples, case.seed)

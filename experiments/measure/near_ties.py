@@ -34,7 +34,7 @@ from specroll_jax.model.transformer import Transformer, causal_mask
 from specroll_jax.rollout import sampling
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.factory import build_engine
 from experiments.measure.roofline import call_seconds
 from experiments.lib.workloads import benchmark_prompts
 from experiments.lib.results import Result, Table, command_line, write, write_json
@@ -169,7 +169,7 @@ def measure(c):
   prompts = benchmark_prompts(policy, c)
   prompts = [p for p in prompts for _ in range(c.samples_per_prompt)]
   sampler = SamplerConfig(temperature=c.temperature)
-  engine = VanillaEngine(policy.config, sampler, policy.eos_ids)
+  engine = build_engine(policy, 'vanilla', sampler)
   responses = Driver(engine, RolloutConfig(c.max_new_tokens, max_batch=len(prompts))).generate(
       policy.params, prompts, 1, c.seed)
   result = teacher_forced_flips(policy, prompts, [r.token_ids for r in responses], c, sampler)

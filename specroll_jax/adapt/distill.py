@@ -26,8 +26,8 @@ from specroll_jax.model.transformer import padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.speculative.heads import (HeadsConfig, HeadsMetadata, apply_heads, has_heads,
                                      init_heads, load_heads, save_heads)
 from specroll_jax.speculative.pairs import DistillPairs, response_spans, shifted, top_targets
@@ -234,8 +234,7 @@ def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[Disti
   response spans, with the policy's top-`top_k` targets at every position."""
   total = plan.num_sequences + plan.held_out
   prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=plan.temperature),
-                         policy.eos_ids)
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=plan.temperature))
   driver = Driver(engine, RolloutConfig(plan.max_new_tokens, max_batch=64))
   with tqdm(total=total, desc='generating', file=sys.stderr) as bar:
     responses = driver.generate(policy.params, prompt_rows, 1, plan.seed, progress=bar)

@@ -71,19 +71,23 @@ def build_engine(policy: Policy, name: str, sampler: SamplerConfig, *, proposer=
                  tree: TreeConfig | None = None, mesh=None, tree_attention: str = 'xla',
                  gate: GateConfig | None = None, prices: GatePrices | None = None,
                  workload: PricingWorkload | None = None,
-                 agree: Callable[[GatePrices], GatePrices] = lambda prices: prices):
+                 agree: Callable[[GatePrices], GatePrices] = lambda prices: prices,
+                 eos_ids: tuple | None = None):
   """The rollout engine `name` in ENGINES, the one place engines are built. SpecRoll needs a
   proposer and a tree configuration; with a `gate` it comes priced: by `prices` (saved by
   an earlier run), else measured on `workload` and passed through `agree` (a multi-process
-  run agrees on one process's prices). Without a gate every step of width > 1 is a tree."""
+  run agrees on one process's prices). Without a gate every step of width > 1 is a tree.
+  `eos_ids` replaces the policy's end-of-sequence ids (() runs every row to the cap, as the
+  measurements that compare fixed lengths do)."""
+  eos_ids = policy.eos_ids if eos_ids is None else tuple(eos_ids)
   if name == 'vanilla':
-    return VanillaEngine(policy.config, sampler, policy.eos_ids, mesh=mesh)
+    return VanillaEngine(policy.config, sampler, eos_ids, mesh=mesh)
   if name != 'specroll':
     raise ValueError(f'unknown engine {name!r} (choose from {", ".join(ENGINES)})')
   if proposer is None or tree is None:
     raise ValueError('engine=specroll needs a proposer (heads from experiments.train_heads) '
                      'and a tree configuration')
-  engine = SpecEngine(policy.config, proposer, tree, sampler, policy.eos_ids, mesh=mesh,
+  engine = SpecEngine(policy.config, proposer, tree, sampler, eos_ids, mesh=mesh,
                       tree_attention=tree_attention)
   if gate is None:
     return engine

@@ -39,7 +39,7 @@ from specroll_jax.model.policy import Policy, load_tokenizer
 from specroll_jax.model.transformer import Transformer, causal_mask
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.rollout.vanilla import VanillaEngine
+from specroll_jax.speculative.factory import build_engine
 from specroll_jax.tasks import rewards, synthetic_math
 from specroll_jax.tasks.paths import STORIES260K_DIR
 
@@ -282,7 +282,7 @@ def train(config: PretrainConfig, policy_config: ModelConfig, data: Encoded) -> 
 
 def evaluate(policy: Policy, problems, max_new_tokens: int, desc: str) -> tuple[float, list]:
   """Greedy accuracy (rewards.score, gsm8k) and the completions, via the vanilla engine."""
-  engine = VanillaEngine(policy.config, SamplerConfig(temperature=0.0), policy.eos_ids)
+  engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=0.0))
   driver = Driver(engine, RolloutConfig(max_new_tokens, max_batch=64))
   prompts = [policy.tokenizer.encode(synthetic_math.prompt(p.question)) for p in problems]
   with tqdm(total=len(prompts), desc=desc, file=sys.stderr) as bar:
