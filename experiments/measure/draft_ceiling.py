@@ -17,14 +17,23 @@ policy's law at every depth of every drafted path (the policy drafting for itsel
 cost) is a set of rank paths (experiments.lib.rank_trees), and the ranks of the policy's own T=1
 answers under its laws are Monte Carlo draws of its walk. The best N-node tree is chosen on
 one half of the answers and its tau (1 + accepted depth) measured on the other, both ways.
+
+The ceiling for trees shaped per position (`--dynamic_answers` of the answers): the same
+drafter growing, at each position, its best N-node tree by best-first expansion under the
+policy's law (experiments.lib.best_first), whose tau is 1 + the sum of its paths'
+probabilities: no static shape can do better, and no drafter that proposes from the same
+prefix can beat it in expectation.
 """
+import sys
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from tqdm import tqdm
 
+from experiments.lib.best_first import popped_probabilities
 from experiments.lib.rank_trees import RANKS, two_fold_tau
 from specroll_jax import load_policy
 from specroll_jax.model.transformer import padded_sequence_hidden
@@ -46,6 +55,8 @@ _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 256, 'Tokens per answer at mos
 _DATA = flags.DEFINE_string('data_dir', None, 'Data directory (default ../shared/data).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Task draw and sampling seed.')
 _OUT = flags.DEFINE_string('out_dir', 'results/drafts_w3/ceiling', 'Where results go.')
+_DYNAMIC = flags.DEFINE_integer('dynamic_answers', 32,
+                                'Answers whose positions get best-first trees (0: none).')
 ROWS_PER_FORWARD = 8
 BUDGETS = (4, 8, 16)   # nodes per row, root included (experiments.bench.drafts' budgets)
 DEPTHS = (4, 15)       # the heads' and drafter's depth; and as deep as 16 nodes allow
@@ -105,15 +116,44 @@ def main(argv):
       'tau_ceiling': {f'{nodes}_nodes_depth_{depth}': two_fold_tau(ranks_by_answer, nodes, depth)
                       for nodes in BUDGETS for depth in DEPTHS},
   }
+  if _DYNAMIC.value:
+    result.update(dynamic_ceiling(policy, rows[:_DYNAMIC.value], span[:_DYNAMIC.value]))
   write(Result(
-      'The static-tree ceiling: tau of a drafter that knows the policy\'s law',
+      'Draft ceilings: static and per-position trees of a drafter that knows the policy\'s law',
       command_line('experiments.measure.draft_ceiling'), result,
       body=[f"{result['positions']} positions of {result['answers']} answers to "
             f"{result['prompts']}; the best tree of each size chosen on one half of the answers, "
             'measured on the other.',
             Table(['nodes, depth', 'tau'], [[key.replace('_nodes_depth_', ', '), f'{tau:.3f}']
                                             for key, tau in result['tau_ceiling'].items()],
-                  align='lr')]), _OUT.value)
+                  align='lr'),
+            *dynamic_lines(result)]), _OUT.value)
+
+
+def dynamic_ceiling(policy, rows, span) -> dict:
+  """Best-first trees of up to max(BUDGETS) nodes at every response position of `rows`:
+  mean tau per budget, and per position its spread."""
+  popped = []
+  for row, inside in tqdm(list(zip(rows, span)), desc='best-first trees', file=sys.stderr):
+    answer = row[row >= 0]
+    popped.append(popped_probabilities(policy, answer, np.nonzero(inside[:len(answer)])[0],
+                                       max(BUDGETS), policy.eos_ids))
+  taus = 1.0 + np.cumsum(np.concatenate(popped), axis=1)             # [positions, N - 1]
+  return {'dynamic_positions': int(len(taus)), 'dynamic_answers': len(rows),
+          'dynamic_tau_ceiling': {str(n): float(taus[:, n - 2].mean()) for n in BUDGETS},
+          'dynamic_tau_quantiles': {str(n): {str(q): float(np.quantile(taus[:, n - 2], q))
+                                             for q in (0.1, 0.5, 0.9)} for n in BUDGETS}}
+
+
+def dynamic_lines(result) -> list:
+  if 'dynamic_tau_ceiling' not in result:
+    return []
+  return [f"Trees shaped per position (best-first under the policy's law, no depth limit), "
+          f"{result['dynamic_positions']} positions of {result['dynamic_answers']} answers:",
+          Table(['nodes', 'tau', 'tau at the 10% / 50% / 90% of positions'],
+                [[n, f'{tau:.3f}', ' / '.join(f'{v:.2f}' for v in
+                                              result['dynamic_tau_quantiles'][n].values())]
+                 for n, tau in result['dynamic_tau_ceiling'].items()], align='rrl')]
 
 
 if __name__ == '__main__':

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from experiments.lib.rank_trees import (RANKS, best_tree, drafter_rank_paths, held_out_tau, is_spine,
-                                   rank_paths, tree_tau)
+from experiments.lib.rank_trees import (RANKS, best_tree, drafter_rank_paths, held_out_tau,
+                                        is_spine, rank_paths, tree_tau)
 
 
 def test_rank_paths_stop_at_a_miss_the_depth_and_the_answer_end():
