@@ -34,7 +34,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from experiments.lib.best_first import popped_probabilities
-from experiments.lib.rank_trees import RANKS, two_fold_tau
+from experiments.lib.rank_trees import RANKS, best_tree, rank_paths, tree_tau, two_fold_tau
 from specroll_jax import load_policy
 from specroll_jax.model.transformer import padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
@@ -118,6 +118,7 @@ def main(argv):
   }
   if _DYNAMIC.value:
     result.update(dynamic_ceiling(policy, rows[:_DYNAMIC.value], span[:_DYNAMIC.value]))
+    result['static_tau_on_dynamic_answers'] = static_on(ranks_by_answer, _DYNAMIC.value)
   write(Result(
       'Draft ceilings: static and per-position trees of a drafter that knows the policy\'s law',
       command_line('experiments.measure.draft_ceiling'), result,
@@ -145,15 +146,25 @@ def dynamic_ceiling(policy, rows, span) -> dict:
                                              for q in (0.1, 0.5, 0.9)} for n in BUDGETS}}
 
 
+def static_on(ranks_by_answer, count: int) -> dict:
+  """The best static tree chosen on the other answers and measured on the first `count`: the
+  static ceiling on the positions the per-position one was measured on."""
+  depth = max(DEPTHS)
+  chosen = [p for a in ranks_by_answer[count:] for p in rank_paths(a, depth)]
+  measured = [p for a in ranks_by_answer[:count] for p in rank_paths(a, depth)]
+  return {str(n): tree_tau(best_tree(chosen, n), measured) for n in BUDGETS}
+
+
 def dynamic_lines(result) -> list:
   if 'dynamic_tau_ceiling' not in result:
     return []
   return [f"Trees shaped per position (best-first under the policy's law, no depth limit), "
           f"{result['dynamic_positions']} positions of {result['dynamic_answers']} answers:",
-          Table(['nodes', 'tau', 'tau at the 10% / 50% / 90% of positions'],
-                [[n, f'{tau:.3f}', ' / '.join(f'{v:.2f}' for v in
-                                              result['dynamic_tau_quantiles'][n].values())]
-                 for n, tau in result['dynamic_tau_ceiling'].items()], align='rrl')]
+          Table(['nodes', 'tau', 'static tree on the same positions',
+                 'tau at the 10% / 50% / 90% of positions'],
+                [[n, f'{tau:.3f}', f"{result['static_tau_on_dynamic_answers'][n]:.3f}",
+                  ' / '.join(f'{v:.2f}' for v in result['dynamic_tau_quantiles'][n].values())]
+                 for n, tau in result['dynamic_tau_ceiling'].items()], align='rrrl')]
 
 
 if __name__ == '__main__':
