@@ -9,7 +9,8 @@ driver at the run's prompt width) are built for vanilla and for each drafting va
 default; and the engine held to one node per row without its gate), on the config's first
 batch of prompts with the trained policy it starts from and the heads in --heads_dir (a
 run's warm start). Each variant's gate is priced once on that batch; then every variant is
-timed --repeats times, in alternation, in this process, and the ratio of medians to vanilla is reported with tau and the share of tree steps.
+timed --repeats times, in alternation, in this process, and the ratio of medians to vanilla
+is reported with tau and the share of tree steps.
 """
 import statistics
 import tempfile

@@ -3,8 +3,9 @@
 A script measures and returns a `Result`; `write` makes all of its files: results.json
 (written whole or not at all), README.md (title, the exact command, then the script's text
 and tables in order, then its figures), the figures as PNG, and every finite number of
-results.json (lists stay in the file) as a TensorBoard scalar under `tensorboard_dir/<folder name>` (outside the
-committed results: event files are binary and per run).
+results.json (lists stay in the file) as a TensorBoard scalar under
+`tensorboard_dir/<folder name>` (outside the committed results: event files are binary and
+per run).
 """
 import dataclasses
 import json

@@ -80,8 +80,8 @@ def measure(mode: str, prompts) -> dict:
     heads = init_heads(HEADS, policy.config, seed=1)
     tree = TreeConfig(max_nodes=16, capacity_tokens=512)
     base = HeadProposer(policy.config, HEADS, HeadDraftConfig((4, 2, 2, 2)), sampler)
-    oracle = build_engine(policy, 'specroll', sampler, proposer=OracleProposer(base.depth, base=base),
-                          tree=tree, eos_ids=())
+    oracle = build_engine(policy, 'specroll', sampler,
+                          proposer=OracleProposer(base.depth, base=base), tree=tree, eos_ids=())
     with_oracle = run(oracle, 64, oracle_engine_params(oracle, policy, wide, _TOKENS.value,
                                                        heads))
     with_heads_engine = build_engine(policy, 'specroll', sampler, proposer=base, tree=tree,
