@@ -73,9 +73,8 @@ def popped_probabilities(policy, answer, span, budget: int, eos_ids) -> np.ndarr
   path probabilities best-first expansion pops, in order (0 where nothing is left)."""
   top_k = budget - 1
   answer = np.asarray(answer, np.int32)
-  every = np.arange(len(answer))
   tokens, positions, mask, _ = _layout(answer, [])
-  probs, ids = laws_at(policy, tokens, positions, mask, every[span], top_k)
+  probs, ids = laws_at(policy, tokens, positions, mask, np.asarray(span, np.int32), top_k)
   frontiers = [[(-float(p), (int(i),)) for p, i in zip(row_p, row_i)]
                for row_p, row_i in zip(probs, ids)]
   for frontier in frontiers:
