@@ -23,7 +23,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import Transformer
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary, vocabulary_index
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterMetadata, DrafterParams,
-                                       drafter_step, init_drafter, save_drafter)
+                                              init_drafter, save_drafter)
 from specroll_jax.speculative.pairs import DistillPairs, shifted
 
 
@@ -40,18 +40,15 @@ class DrafterTraining:
   feature_weight: float = 0.0
 
 
-def _unrolled_states(config: DrafterConfig, model_config: ModelConfig, params: DrafterParams,
-                     policy_params, batch: DistillPairs):
+def _unrolled_states(config, model_config: ModelConfig, params: DrafterParams, policy_params,
+                     batch: DistillPairs):
   """Each depth's teacher-forced state ([depth] of z_d [B, T, D]) and the policy's projection
-  rows of the draft vocabulary [V_d, D]."""
+  rows of the draft vocabulary [V_d, D]; `config` is any drafter kind's."""
   model = Transformer(model_config)
   draft_rows = model.apply({'params': policy_params}, params.vocab_ids, method=model.vocab_rows)
   embedded = model.apply({'params': policy_params}, batch.tokens, method=model.embed)
-  z = batch.hidden.astype(jnp.float32)
-  states = []
-  for d in range(1, config.depth + 1):
-    z = drafter_step(config, model_config, params.weights, z, shifted(embedded, d))
-    states.append(z)
+  states = config.teacher_forced_states(model_config, params.weights, batch.hidden, embedded,
+                                        batch.valid)
   return states, draft_rows
 
 

@@ -19,6 +19,7 @@ parameters are the only ones trained, the embedding and projection stay the poli
 import dataclasses
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -31,6 +32,7 @@ from specroll_jax.model.checkpoint import (save_record_and_tensors, unflatten_te
                                            unreadable)
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.speculative.draft_vocabulary import VOCAB_TENSOR, check_vocabulary
+from specroll_jax.speculative.pairs import shifted
 
 DRAFTER_FILE = 'drafter.safetensors'
 DRAFTER_CONFIG_FILE = 'drafter_config.json'
@@ -38,19 +40,40 @@ DRAFTER_CONFIG_FILE = 'drafter_config.json'
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
+  """The sequential drafter's shape. Every drafter kind's config has these fields and
+  methods (speculative/context_drafter.py is the other): training, files and the
+  rank-path proposer are shared."""
   depth: int = 4                 # deepest level it drafts
   hidden_multiplier: float = 2.0  # inner width of the residual block, in units of D
   draft_vocab_size: int = 8192   # tokens it may draft (0: the whole vocabulary)
+  weights_file: ClassVar[str] = DRAFTER_FILE
+  config_file: ClassVar[str] = DRAFTER_CONFIG_FILE
 
   def __post_init__(self):
     if self.depth < 1 or self.hidden_multiplier <= 0 or self.draft_vocab_size < 0:
-      raise ValueError(f'DrafterConfig: depth >= 1, hidden_multiplier > 0 and '
+      raise ValueError(f'{type(self).__name__}: depth >= 1, hidden_multiplier > 0 and '
                        f'draft_vocab_size >= 0 required, got {self}')
 
   def vocab_size(self, model_config: ModelConfig) -> int:
     if self.draft_vocab_size == 0:
       return model_config.vocab_size
     return min(self.draft_vocab_size, model_config.vocab_size)
+
+  def init_weights(self, model_config: ModelConfig, seed: int) -> dict:
+    dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
+    return DrafterBlock(self, model_config).init(jax.random.key(seed), dummy, dummy)['params']
+
+  def teacher_forced_states(self, model_config: ModelConfig, weights, hidden, embedded,
+                            valid) -> list:
+    """Each depth's state [depth] of [B, T, D] along the realised tokens, as the tree
+    drafts along an accepted path: z_d at t from h_t and e(x_{t+1}) .. e(x_{t+d}).
+    `embedded` [B, T, D] holds e(x_t) at t; `valid` [B, T] is unused (no context)."""
+    del valid
+    z, states = hidden.astype(jnp.float32), []
+    for d in range(1, self.depth + 1):
+      z = drafter_step(self, model_config, weights, z, shifted(embedded, d))
+      states.append(z)
+    return states
 
 
 @struct.dataclass
@@ -84,12 +107,10 @@ class DrafterBlock(nn.Module):
     return fused + update
 
 
-def init_drafter(config: DrafterConfig, model_config: ModelConfig, vocab_ids,
-                 seed: int = 0) -> DrafterParams:
-  """Fresh block weights over the draft vocabulary `vocab_ids` (int [V_d])."""
-  dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
-  weights = DrafterBlock(config, model_config).init(jax.random.key(seed), dummy, dummy)
-  return DrafterParams(weights=weights['params'], vocab_ids=jnp.asarray(vocab_ids, jnp.int32))
+def init_drafter(config, model_config: ModelConfig, vocab_ids, seed: int = 0) -> DrafterParams:
+  """Fresh weights of a drafter of any kind over the draft vocabulary `vocab_ids` (int [V_d])."""
+  return DrafterParams(weights=config.init_weights(model_config, seed),
+                       vocab_ids=jnp.asarray(vocab_ids, jnp.int32))
 
 
 def drafter_step(config: DrafterConfig, model_config: ModelConfig, weights, z, embedded):
@@ -114,21 +135,23 @@ class DrafterMetadata:
       object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
-def save_drafter(directory, config: DrafterConfig, params: DrafterParams,
+def save_drafter(directory, config, params: DrafterParams,
                  metadata: DrafterMetadata | None = None) -> None:
-  """Writes drafter.safetensors (block weights and draft vocabulary) + drafter_config.json."""
+  """Writes the kind's weights file (weights and draft vocabulary) and its config record
+  (drafter.safetensors + drafter_config.json for the sequential drafter)."""
   record = {'drafter': dataclasses.asdict(config),
             'metadata': None if metadata is None else dataclasses.asdict(metadata)}
-  save_record_and_tensors(directory, DRAFTER_CONFIG_FILE, record, DRAFTER_FILE,
+  save_record_and_tensors(directory, config.config_file, record, config.weights_file,
                           {**params.weights, VOCAB_TENSOR: params.vocab_ids})
 
 
-def has_drafter(directory) -> bool:
-  return (Path(directory) / DRAFTER_FILE).is_file()
+def has_drafter(directory, kind: type = DrafterConfig) -> bool:
+  """Whether `directory` holds a drafter of the kind whose config class is `kind`."""
+  return (Path(directory) / kind.weights_file).is_file()
 
 
-def drafter_metadata(directory) -> DrafterMetadata | None:
-  path = Path(directory) / DRAFTER_CONFIG_FILE
+def drafter_metadata(directory, kind: type = DrafterConfig) -> DrafterMetadata | None:
+  path = Path(directory) / kind.config_file
   raw = _read_record(path)['metadata']
   try:
     return None if raw is None else DrafterMetadata(**raw)
@@ -149,12 +172,14 @@ def _read_record(path: Path) -> dict:
   return record
 
 
-def load_drafter(directory, model_config: ModelConfig) -> tuple[DrafterConfig, DrafterParams]:
-  """Reads a drafter saved by save_drafter, checking every tensor against this policy."""
+def load_drafter(directory, model_config: ModelConfig,
+                 kind: type = DrafterConfig) -> tuple:
+  """Reads a drafter of the kind whose config class is `kind`, saved by save_drafter,
+  checking every tensor against this policy: (config, DrafterParams)."""
   directory = Path(directory)
-  config_path, weights_path = directory / DRAFTER_CONFIG_FILE, directory / DRAFTER_FILE
+  config_path, weights_path = directory / kind.config_file, directory / kind.weights_file
   try:
-    config = DrafterConfig(**_read_record(config_path)['drafter'])
+    config = kind(**_read_record(config_path)['drafter'])
   except TypeError as e:
     raise ValueError(f'{config_path}: not a drafter config ({e})') from None
   if not weights_path.is_file():

@@ -118,12 +118,16 @@ class DrafterProposer(Proposer):
     del prompt_tokens
     return DepthStats.zeros(seqs.done.shape[0], self.depth, int(self.layout.top_k.max()))
 
-  def _laws(self, params: DrafterParams, context: StepContext, levels: int):
+  def _laws(self, params: DrafterParams, context: StepContext, levels: int, first, advance):
     """Per depth d <= levels, the top tokens and probabilities of the laws of depth d - 1's
-    expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs)."""
+    expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs).
+
+    first() -> the root's state [B, 1, D]; advance(depth, parent_slots, tokens, z) -> the
+    states [B, E, D] of depth's expanded candidates `tokens` [B, E], whose parents sit at
+    `parent_slots` (static [E]) of the previous depth's states `z`.
+    """
     layout, draft_rows = self.layout, context.vocab.rows(params.vocab_ids)  # [V_d, D]
-    z = drafter_step(self.config, self.model_config, params.weights, context.hidden,
-                     context.vocab.embed(context.root))[:, None]  # [B, 1, D]
+    z = first()
     laws, depths = [], min(levels, self.depth)
     for d in range(depths):
       k = int(layout.top_k[d])
@@ -134,15 +138,24 @@ class DrafterProposer(Proposer):
       # Prefix-closed paths: every depth above the deepest has candidates with children.
       level = np.asarray(layout.expanded[d])
       tokens = laws[d][0][:, layout.expanded_slot[d], layout.rank[level]]  # [B, E_d]
-      z = drafter_step(self.config, self.model_config, params.weights,
-                       z[:, layout.expanded_slot[d]], context.vocab.embed(tokens))
+      z = advance(d + 2, layout.expanded_slot[d], tokens, z)
     return laws
 
   def propose(self, params: DrafterParams, state: DepthStats, context: StepContext,
               levels: int) -> Proposal:
     del state
+    step = lambda z, tokens: drafter_step(self.config, self.model_config, params.weights, z,
+                                          context.vocab.embed(tokens))
+    laws = self._laws(params, context, levels,
+                      first=lambda: step(context.hidden, context.root)[:, None],
+                      advance=lambda depth, slots, tokens, z: step(z[:, slots], tokens))
+    candidates, guesses = self.candidates(laws, context)
+    return Proposal(candidates=candidates, record=guesses)
+
+  def candidates(self, laws, context: StepContext) -> tuple:
+    """(Candidates of the layout's paths, HeadGuesses along the first expanded candidates)
+    from each depth's laws (as `_laws` returns them)."""
     layout, batch = self.layout, context.root.shape[0]
-    laws = self._laws(params, context, levels)
     tokens = jnp.zeros((batch, self.num_candidates), jnp.int32)
     scores = jnp.zeros((batch, self.num_candidates), jnp.float32)
     top_k = int(layout.top_k.max())
@@ -156,10 +169,8 @@ class DrafterProposer(Proposer):
       first_probs.append(jnp.pad(p[:, 0], pad))
     rows = lambda x: jnp.pad(jnp.stack(x, axis=1), ((0, 0), (0, self.depth - len(laws)), (0, 0)))
     proposed = ~context.seqs.done[:, None] & (jnp.arange(self.depth) < len(laws))[None, :]
-    record = HeadGuesses(tokens=rows(first_tokens), probs=rows(first_probs), proposed=proposed)
-    return Proposal(candidates=Candidates(tokens=tokens, scores=scores,
-                                          parent=self.layout.parent),
-                    record=record)
+    guesses = HeadGuesses(tokens=rows(first_tokens), probs=rows(first_probs), proposed=proposed)
+    return Candidates(tokens=tokens, scores=scores, parent=self.layout.parent), guesses
 
   def observe(self, params, state: DepthStats, context, proposal: Proposal,
               feedback: Feedback) -> DepthStats:

@@ -206,7 +206,7 @@ class SpecEngine(Engine):
                                                                result.logprobs], axis=1),
                                result.accepted + 1, self.eos_ids)
       cache = commit(state.cache, block, result.path, kept)
-    feedback = result.feedback(running, levels)
+    feedback = result.feedback(running, levels, hidden)
     with jax.named_scope('statistics'):
       tree_stats = state.tree_stats.record(feedback, budget, running)
       cost = self.tree_step_cost(batch)  # None: no gate, so every tree counts as paying

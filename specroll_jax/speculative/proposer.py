@@ -107,6 +107,9 @@ class Feedback:
   accepted: jax.Array      # int32 [B] accepted nodes below the root
   target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
   target_probs: jax.Array  # float32 [B, H, M] their probabilities under the sampler
+  # [B, H + 1, D] the verifier's hidden states along the accepted path, root first (valid
+  # up to depth `accepted`): what a drafter caches about the accepted tokens.
+  path_hidden: jax.Array
   levels: int = struct.field(pytree_node=False)  # depths this step's tree could reach
 
   def first_levels(self, depth: int) -> 'Feedback':
@@ -116,6 +119,7 @@ class Feedback:
                     accepted=jnp.minimum(self.accepted, depth),
                     target_ids=self.target_ids[:, :depth],
                     target_probs=self.target_probs[:, :depth],
+                    path_hidden=self.path_hidden[:, :depth + 1],
                     levels=min(self.levels, depth))
 
   @property

@@ -40,11 +40,14 @@ class WalkResult:
     last_node = self.path[jnp.arange(self.path.shape[0]), self.accepted]
     return jnp.take_along_axis(hidden, last_node[:, None, None], axis=1)[:, 0]
 
-  def feedback(self, running, levels: int) -> Feedback:
-    """What proposers and statistics learn from this walk (draws of running rows only)."""
+  def feedback(self, running, levels: int, hidden) -> Feedback:
+    """What proposers and statistics learn from this walk (draws of running rows only),
+    given the tree forward's hidden states [B, N, D]."""
     return Feedback(drawn=self.drawn, drew=self.reached & running[:, None],
                     accepted=self.accepted, target_ids=self.target_ids,
-                    target_probs=self.target_probs, levels=levels)
+                    target_probs=self.target_probs,
+                    path_hidden=jnp.take_along_axis(hidden, self.path[:, :, None], axis=1),
+                    levels=levels)
 
 
 @struct.dataclass
