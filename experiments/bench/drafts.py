@@ -15,35 +15,29 @@ proposer's `propose` timed alone against the vanilla step; and each tree step's 
 price. Writes results.json and README.md to out_dir.
 """
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from absl import app
 from ml_collections import config_flags
 
 from specroll_jax import load_policy
 from specroll_jax.rl.sections import build
-from specroll_jax.rollout.driver import Driver, RolloutConfig, take_rows
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import drafter_metadata
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
-from specroll_jax.speculative.engine import SpecEngine
-from specroll_jax.speculative.factory import build_engine, head_proposer
+from specroll_jax.speculative.factory import head_proposer
 from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.head_proposer import HeadDraftConfig
 from specroll_jax.speculative.heads import heads_metadata
 from specroll_jax.speculative.oracle_proposer import OracleProposer
-from specroll_jax.speculative.proposer import StepContext, Vocabulary
-from specroll_jax.speculative.step_cost import (STEPS_PER_CALL, compiled_steps,
-                                                with_measured_step_costs)
-from specroll_jax.speculative.tree import TreeConfig
+from specroll_jax.speculative.step_cost import with_measured_step_costs
+from experiments.lib.draft_cells import (cell_workload, fixed_budget_engine, proposing_costs,
+                                         run_cell)
 from experiments.lib.results import Result, Table, command_line, write
-from experiments.lib.workloads import (benchmark_prompts, oracle_engine_params,
-                                   warm_started_drafter, warm_started_heads)
+from experiments.lib.workloads import (benchmark_prompts, warm_started_drafter,
+                                       warm_started_heads)
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafts_w3.py')
 GROUPED = {'heads_group': 'heads', 'drafter_group': 'drafter'}
@@ -82,90 +76,6 @@ def proposers(policy, c, sampler, heads_config, heads, drafter_config, drafter,
     built[name] = (GroupProposer(group, base=built[base][0]), built[base][1])
   built['oracle'] = (OracleProposer(head.depth), None)
   return {name: built[name] for name in c.proposers}
-
-
-def cell_workload(c, prompts, responses: int):
-  """(prompts, samples, rollout config): one question at a time, or 4 x 4 in one bucket."""
-  if responses == 1:
-    return prompts, 1, RolloutConfig(c.max_new_tokens, max_batch=1,
-                                     prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-  samples = responses // len(prompts)
-  if samples * len(prompts) != responses:
-    raise ValueError(f'responses={responses} is not a multiple of num_prompts={len(prompts)}')
-  return prompts, samples, RolloutConfig(c.max_new_tokens, max_batch=responses,
-                                         min_batch=responses,
-                                         prompt_buckets_per_octave=c.prompt_buckets_per_octave)
-
-
-def fixed_budget_engine(policy, proposer, sampler, nodes: int, responses: int) -> SpecEngine:
-  return build_engine(policy, 'specroll', sampler, proposer=proposer,
-                      tree=TreeConfig(max_nodes=nodes, capacity_tokens=nodes * responses))
-
-
-def run_cell(policy, c, built, prompts, nodes, responses, sampler) -> dict:
-  prompts, samples, rollout = cell_workload(c, prompts, responses)
-  reference = Driver(build_engine(policy, 'vanilla', sampler), rollout).generate(
-      policy.params, prompts, samples, c.seed)
-  out = {}
-  for name, (proposer, proposer_params) in built.items():
-    engine = fixed_budget_engine(policy, proposer, sampler, nodes, responses)
-    params = (oracle_engine_params(engine, policy, reference, c.max_new_tokens)
-              if name == 'oracle' else engine.params(policy.params, proposer_params))
-    start = time.perf_counter()
-    spec = Driver(engine, rollout).generate(params, prompts, samples, c.seed)
-    tokens = sum(len(r.token_ids) for r in spec)
-    out[name] = dict(tau=tokens / sum(r.steps for r in spec), tokens=tokens,
-                     identical=sum(a.token_ids == b.token_ids for a, b in zip(spec, reference)),
-                     responses=len(spec), seconds=time.perf_counter() - start)
-    print(f'{nodes} nodes, {responses} responses, T={sampler.temperature}: {name} tau '
-          f'{out[name]["tau"]:.2f}', file=sys.stderr)
-    jax.clear_caches()  # one engine per cell and proposer: release each compiled loop
-  return out
-
-
-def proposing_costs(policy, c, built, prompts, sampler, repeats: int = 15) -> dict:
-  """Plain steps per proposal at one response: a proposer's `propose` for a tree of
-  c.cost_nodes nodes, timed alone against the vanilla step in alternating calls of
-  STEPS_PER_CALL each (the median ratio). The oracle proposes nothing (its chain is an input)."""
-  prompts, samples, rollout = cell_workload(c, prompts[:1], 1)
-  first_row = jnp.zeros((1,), jnp.int32)
-  costs = {}
-  for name, (proposer, proposer_params) in built.items():
-    if name == 'oracle':
-      continue
-    engine = fixed_budget_engine(policy, proposer, sampler, c.cost_nodes, 1)
-    params = engine.params(policy.params, proposer_params)
-    state = Driver(engine, rollout).first_state(params, prompts, samples)
-    levels = engine.tree_levels(1)
-
-    @jax.jit
-    def proposals(params, state):
-      root = jnp.argmax(state.next_logits, axis=-1).astype(jnp.int32)
-      vocab = Vocabulary(params.policy, policy.config)
-
-      def one(_, hidden):
-        proposal = proposer.propose(params.proposer, state.proposer,
-                                    StepContext(hidden, root, state.seqs, vocab), levels)
-        # A dependence on the proposal, so the calls are neither hoisted nor merged.
-        return hidden + 0.0 * jnp.sum(proposal.candidates.scores)
-      return jax.lax.fori_loop(0, STEPS_PER_CALL, one, state.last_hidden)
-
-    plain = compiled_steps(engine.plain_step)
-    key = jax.random.key(0)
-    jax.block_until_ready((proposals(params, state),
-                           plain(params, take_rows(state, first_row), key)))
-    ratios = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(proposals(params, state))
-      propose_seconds = time.perf_counter() - start
-      rows = jax.block_until_ready(take_rows(state, first_row))
-      start = time.perf_counter()
-      jax.block_until_ready(plain(params, rows, key))
-      ratios.append(propose_seconds / (time.perf_counter() - start))
-    costs[name] = statistics.median(ratios)
-    jax.clear_caches()
-  return costs
 
 
 def tree_step_prices(policy, c, built, prompts, sampler) -> dict:
