@@ -74,12 +74,13 @@ def get_config():
   c.heads = ml_collections.ConfigDict(dict(
       num_heads=4, draft_vocab_size=0, num_sequences=512, held_out=64, steps=600,
       batch_size=32))
-  # The sequential drafter, when rollout.proposers names it ('drafter' or 'drafter,group'):
-  # its block (model), its warm start on the initial policy's answers to the first
-  # num_sequences + held_out task prompts (training), and its spine's candidates per depth.
+  # The drafters, when rollout.proposers names one ('drafter', 'context_drafter', with or
+  # without ',group'): the block (model), its warm start on the initial policy's answers to
+  # the first num_sequences + held_out task prompts (training), its spine's candidates per
+  # depth, and the context-attending drafter's attention heads.
   c.drafter = ml_collections.ConfigDict(dict(
       model=section(DrafterConfig), training=section(DrafterTraining), branching=(4, 2, 2, 1),
-      num_sequences=512, held_out=64))
+      num_sequences=512, held_out=64, context_heads=4))
   # Adaptation of the heads or the drafter (rl.run_config.ADAPTATION_MODES): slow = the
   # slow path alone. Reflex (mode=reflex|both; heads only) is off: on W1 its gates never open
   # and it costs generation time (notes/history.md, "Issue 15").

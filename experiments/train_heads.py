@@ -1,4 +1,4 @@
-"""Warm-starts horizon heads, or a sequential drafter, by self-distillation on the policy's
+"""Warm-starts horizon heads, or a drafter (sequential or context-attending), by self-distillation on the policy's
 own sampled generations.
 
   python -m experiments.train_heads --checkpoint=specroll_jax/tasks/stories260K --out=workdir/heads
@@ -25,7 +25,11 @@ when its drafter is missing):
     --checkpoint=workdir/models/smollm2-135m-instruct --gsm8k_train --num_sequences=768 \
     --chat_template --held_out=32 --max_new_tokens=256 --steps=400 --batch_size=16 \
     --learning_rate=2e-3 --hidden_multiplier=2.0 --out=workdir/drafter_smollm2_gsm8k
+
+--proposer=context_drafter trains the context-attending drafter (speculative/
+context_drafter.py) with the same flags and --context_heads attention heads.
 """
+import dataclasses
 import time
 from pathlib import Path
 
@@ -35,14 +39,17 @@ from experiments.lib.common import DEFAULT_CHECKPOINT, read_prompts
 from specroll_jax import load_policy
 from specroll_jax.adapt import distill
 from specroll_jax.adapt.drafter_training import DrafterTraining, warm_start_drafter
+from specroll_jax.speculative.context_drafter import ContextDrafterConfig
 from specroll_jax.speculative.drafter import DrafterConfig
 from specroll_jax.speculative.heads import HeadsConfig
 from specroll_jax.tasks.sources import load_tasks
 
 flags.DEFINE_string('checkpoint', str(DEFAULT_CHECKPOINT), 'HF-format policy directory.')
 flags.DEFINE_string('out', None, 'Directory to write the heads to.')
-flags.DEFINE_enum('proposer', 'heads', ['heads', 'drafter'],
-                  'Horizon heads, or the sequential drafter (speculative/drafter.py).')
+flags.DEFINE_enum('proposer', 'heads', ['heads', 'drafter', 'context_drafter'],
+                  'Horizon heads, the sequential drafter (speculative/drafter.py) or the '
+                  'context-attending drafter (speculative/context_drafter.py).')
+flags.DEFINE_integer('context_heads', 4, '--proposer=context_drafter: attention heads.')
 flags.DEFINE_string('prompts', None, 'Optional JSONL prompts; default: generate from BOS.')
 flags.DEFINE_bool('gsm8k_train', False,
                   'Instead of --prompts: GSM8K train questions, one per generation (data from '
@@ -98,18 +105,21 @@ def main(argv):
   plan = distill.WarmStart(num_sequences=FLAGS.num_sequences, held_out=FLAGS.held_out,
                            max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                            seed=FLAGS.seed)
-  if FLAGS.proposer == 'drafter':
+  if FLAGS.proposer != 'heads':
     config = DrafterConfig(depth=FLAGS.num_heads, hidden_multiplier=FLAGS.hidden_multiplier,
                            draft_vocab_size=FLAGS.draft_vocab_size)
+    if FLAGS.proposer == 'context_drafter':
+      config = ContextDrafterConfig(**dataclasses.asdict(config),
+                                    num_heads=FLAGS.context_heads)
     training = DrafterTraining(batch_size=FLAGS.batch_size, steps=FLAGS.steps,
                                learning_rate=FLAGS.learning_rate,
                                feature_weight=FLAGS.feature_weight)
     _, metadata = warm_start_drafter(policy, config, training, prompts, plan, FLAGS.out,
                                      source=str(FLAGS.checkpoint))
     for d, (top1, mass) in enumerate(zip(metadata.top1_by_depth, metadata.mass_by_depth), 1):
-      print(f'drafter depth {d}: top-1 {top1:.3f}  policy probability of the top-1 {mass:.3f}')
+      print(f'{FLAGS.proposer} depth {d}: top-1 {top1:.3f}  policy probability of the top-1 {mass:.3f}')
     print(f'draft vocabulary: {metadata.vocab_coverage:.3f} of held-out drawn tokens')
-    print(f'saved the drafter to {FLAGS.out} ({metadata.seconds / 60:.1f} min)')
+    print(f'saved the {FLAGS.proposer} to {FLAGS.out} ({metadata.seconds / 60:.1f} min)')
     return
   heads_config = HeadsConfig(FLAGS.num_heads, FLAGS.hidden_multiplier)
   config = distill.DistillConfig(batch_size=FLAGS.batch_size, steps=FLAGS.steps,

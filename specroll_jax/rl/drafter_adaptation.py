@@ -1,5 +1,6 @@
-"""The sequential drafter as a run's learned proposer: its warm start, its spine, and its
-slow path.
+"""The drafters as a run's learned proposers (the sequential one, and the context-attending
+one: the same section, warm start, spine and slow path, with a different layer and cache):
+their warm start, their spine, and their slow path.
 
 The monitor watches the drafter's depths as it watches heads (acceptance and regret per
 depth along the spine); any triggered depth trains the whole block, which every depth
@@ -10,6 +11,7 @@ drafter (speculative/drafter_proposer.py says why).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +25,8 @@ from specroll_jax.adapt import drafter_consolidation
 from specroll_jax.adapt.drafter_training import warm_start_drafter
 from specroll_jax.rl.adaptation import (Adaptation, LearnedProposerKind, ProposerMemory,
                                         ProposerState, WarmStarted)
+from specroll_jax.speculative.context_drafter import ContextDrafterConfig
+from specroll_jax.speculative.context_drafter_proposer import ContextDrafterProposer
 from specroll_jax.speculative.drafter import (DrafterConfig, DrafterParams, has_drafter,
                                               init_drafter, load_drafter)
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
@@ -35,6 +39,9 @@ if TYPE_CHECKING:
 
 class DrafterKind(LearnedProposerKind):
   """config.drafter: the block, its warm start and its spine's branching."""
+  config_type = DrafterConfig
+  proposer_type = DrafterProposer
+  directory_name = 'drafter'
 
   def check(self, config: RunConfig) -> None:
     config.drafter.check_branching()
@@ -44,10 +51,10 @@ class DrafterKind(LearnedProposerKind):
 
   def warm_start(self, policy: Policy, config: RunConfig, task_prompts, workdir: Path,
                  source: Path) -> WarmStarted:
-    d, directory = config.drafter, workdir / 'drafter'
-    if not has_drafter(directory):
-      print(f'warm-starting a drafter into {directory}', file=sys.stderr)
-      warm_start_drafter(policy, d.model, d.training,
+    d, directory = config.drafter, workdir / self.directory_name
+    if not self.is_saved(directory):
+      print(f'warm-starting a {self.directory_name} into {directory}', file=sys.stderr)
+      warm_start_drafter(policy, self.static_config(config), d.training,
                          task_prompts[:d.num_sequences + d.held_out],
                          config.warm_start_plan(d.num_sequences, d.held_out), directory,
                          str(source))
@@ -57,14 +64,15 @@ class DrafterKind(LearnedProposerKind):
     return self.drafting(policy, warm, config.rollout.sampler, config.drafter.branching)
 
   def is_saved(self, directory: Path) -> bool:
-    return has_drafter(directory)
+    return has_drafter(directory, self.config_type)
 
   def load(self, policy: Policy, directory: Path) -> WarmStarted:
-    drafter_config, params = load_drafter(directory, policy.config)
+    drafter_config, params = load_drafter(directory, policy.config, self.config_type)
     return WarmStarted(drafter_config, params, Path(directory))
 
   def drafting(self, policy: Policy, warm: WarmStarted, sampler, branching: tuple):
-    return DrafterProposer(policy.config, warm.config, spine_paths(tuple(branching)), sampler)
+    return self.proposer_type(policy.config, warm.config, spine_paths(tuple(branching)),
+                              sampler)
 
   def adaptation(self, policy: Policy, config: RunConfig, warm: WarmStarted,
                  proposer) -> DrafterAdaptation:
@@ -76,6 +84,18 @@ class DrafterKind(LearnedProposerKind):
         jnp.zeros(static_config.vocab_size(model_config), jnp.int32)).weights)
     # Replicated (DrafterAdaptation.init_state).
     return ProposerMemory('drafter block + its optimizer', shapes, ())
+
+
+class ContextDrafterKind(DrafterKind):
+  """config.drafter as well, its block a decoder layer of drafter.context_heads heads over the
+  response's cached entries (speculative/context_drafter.py)."""
+  config_type = ContextDrafterConfig
+  proposer_type = ContextDrafterProposer
+  directory_name = 'context_drafter'
+
+  def static_config(self, config: RunConfig) -> ContextDrafterConfig:
+    return ContextDrafterConfig(**dataclasses.asdict(config.drafter.model),
+                                num_heads=config.drafter.context_heads)
 
 
 class DrafterAdaptation(Adaptation):

@@ -5,17 +5,18 @@ in the GRPO group, speculative/group_proposer.py), merged into one tree. A new k
 file implementing `rl.adaptation.LearnedProposerKind`, one entry here, and its test.
 """
 from specroll_jax.rl.adaptation import LearnedProposerKind
-from specroll_jax.rl.drafter_adaptation import DrafterKind
+from specroll_jax.rl.drafter_adaptation import ContextDrafterKind, DrafterKind
 from specroll_jax.rl.head_adaptation import HeadsKind
 
-KINDS: dict[str, LearnedProposerKind] = {'heads': HeadsKind(), 'drafter': DrafterKind()}
+KINDS: dict[str, LearnedProposerKind] = {'heads': HeadsKind(), 'drafter': DrafterKind(),
+                                         'context_drafter': ContextDrafterKind()}
 GROUP = 'group'
 PROPOSERS = (*KINDS, GROUP)
 
 
 def parse_proposers(names: str) -> tuple:
-  """'heads', 'drafter', 'group', 'heads,group', ... -> PROPOSERS names, each once, with at
-  most one learned kind."""
+  """'heads', 'drafter', 'context_drafter', 'group', 'heads,group', ... -> PROPOSERS names,
+  each once, with at most one learned kind."""
   chosen = tuple(n.strip() for n in names.split(',') if n.strip())
   unknown = [n for n in chosen if n not in PROPOSERS]
   if not chosen or unknown or len(set(chosen)) != len(chosen):

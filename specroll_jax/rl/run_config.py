@@ -118,13 +118,15 @@ class HeadsSection:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSection:
-  """The sequential drafter: its block, its warm start on the initial policy's answers to
-  the first num_sequences + held_out task prompts, and its spine's candidates per depth."""
+  """The drafters (sequential, or context-attending: rollout.proposers names which): the
+  block, its warm start on the initial policy's answers to the first num_sequences +
+  held_out task prompts, and its spine's candidates per depth."""
   model: DrafterConfig
   training: DrafterTraining
   branching: tuple
   num_sequences: int
   held_out: int
+  context_heads: int  # the context-attending drafter's attention heads
 
   def __post_init__(self):
     # A static argument of the compiled proposer: hashable, whatever sequence the config held.

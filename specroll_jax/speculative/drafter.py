@@ -161,8 +161,8 @@ def drafter_metadata(directory, kind: type = DrafterConfig) -> DrafterMetadata |
 
 def _read_record(path: Path) -> dict:
   if not path.is_file():
-    raise FileNotFoundError(f'{path}: not found (train a drafter with experiments.train_heads '
-                            '--proposer=drafter)')
+    raise FileNotFoundError(f'{path}: not found (train one with experiments.train_heads '
+                            '--proposer=drafter or context_drafter)')
   try:
     record = json.loads(path.read_text())
   except json.JSONDecodeError as e:
@@ -183,8 +183,8 @@ def load_drafter(directory, model_config: ModelConfig,
   except TypeError as e:
     raise ValueError(f'{config_path}: not a drafter config ({e})') from None
   if not weights_path.is_file():
-    raise FileNotFoundError(f'{weights_path}: not found (train a drafter with '
-                            'experiments.train_heads --proposer=drafter)')
+    raise FileNotFoundError(f'{weights_path}: not found (train one with experiments.'
+                            'train_heads --proposer=drafter or context_drafter)')
   try:
     tensors = load_file(str(weights_path))
   except SafetensorError as e:

@@ -17,6 +17,7 @@ from configs.tiny_math import get_config
 from specroll_jax.rl.metrics import EVENTS_DIR, MetricsLog, scalars, truncate_metrics
 from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
+from specroll_jax.speculative.context_drafter import ContextDrafterConfig
 from specroll_jax.speculative.drafter import DrafterConfig, load_drafter
 from specroll_jax.tasks.rewards import REWARD_RULES
 from tests.conftest import FIXTURE_DATA, REPO, STORIES
@@ -102,15 +103,17 @@ def test_specroll_and_vanilla_training_agree(tmp_path, vanilla_run):
   assert all(max(m['reflex_gate']) > 0 for m in a)
 
 
-def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanilla_run,
-                                                                 stories_policy):
-  overrides = {**ALWAYS_TRIGGER, 'adaptation.mode': 'slow', 'rollout.proposers': 'drafter',
+def _slow_path_trains_the_block(tmp_path, vanilla_run, policy, kind: str, config_type):
+  """A run whose slow path trains the drafter of `kind` on every window after the first:
+  the same training as vanilla's, the block changed and kept, its vocabulary not.
+  Returns (overrides, metrics, the trained params)."""
+  overrides = {**ALWAYS_TRIGGER, 'adaptation.mode': 'slow', 'rollout.proposers': kind,
                'adaptation.consolidation.rollback': True}
   spec = _trained_with_trees(tmp_path / 'spec', **overrides)
   a = _same_training(tmp_path / 'spec', vanilla_run)
   assert spec['tau'] >= 1.0 and a[1]['triggered'], a[1]
-  assert len(a[1]['drafter_loss_before']) == DrafterConfig().depth
-  _, warm = load_drafter(tmp_path / 'spec' / 'drafter', stories_policy.config)
+  assert len(a[1]['drafter_loss_before']) == config_type().depth
+  _, warm = load_drafter(tmp_path / 'spec' / kind, policy.config, config_type)
   manager = ocp.CheckpointManager((tmp_path / 'spec' / 'checkpoints').resolve())
   trained = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())['heads']
   kept = any(m.get('kept') for m in a)
@@ -118,6 +121,20 @@ def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanil
       jax.tree.leaves(trained['params']['weights']), jax.tree.leaves(warm.weights))]
   assert kept and any(changed), [m.get('drafter_loss_after') for m in a]
   np.testing.assert_array_equal(trained['params']['vocab_ids'], warm.vocab_ids)
+  return overrides, a, trained
+
+
+def test_context_drafter_slow_path_trains_its_layer_and_changes_no_token(tmp_path,
+                                                                         vanilla_run,
+                                                                         stories_policy):
+  _slow_path_trains_the_block(tmp_path, vanilla_run, stories_policy, 'context_drafter',
+                              ContextDrafterConfig)
+
+
+def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanilla_run,
+                                                                 stories_policy):
+  overrides, a, trained = _slow_path_trains_the_block(tmp_path, vanilla_run, stories_policy,
+                                                      'drafter', DrafterConfig)
   # Stopped after step 2 and resumed: the block, its Adam state and the monitor come back
   # from the checkpoint, and step 3 is the straight run's.
   _trained_with_trees(tmp_path / 'resumed', **overrides, steps=2)
