@@ -1,5 +1,5 @@
-"""Warm-starts horizon heads, or a drafter (sequential or context-attending), by self-distillation on the policy's
-own sampled generations.
+"""Warm-starts horizon heads, or a drafter (sequential or context-attending), by
+self-distillation on the policy's own sampled generations.
 
   python -m experiments.train_heads --checkpoint=specroll_jax/tasks/stories260K --out=workdir/heads
 
@@ -117,7 +117,8 @@ def main(argv):
     _, metadata = warm_start_drafter(policy, config, training, prompts, plan, FLAGS.out,
                                      source=str(FLAGS.checkpoint))
     for d, (top1, mass) in enumerate(zip(metadata.top1_by_depth, metadata.mass_by_depth), 1):
-      print(f'{FLAGS.proposer} depth {d}: top-1 {top1:.3f}  policy probability of the top-1 {mass:.3f}')
+      print(f'{FLAGS.proposer} depth {d}: top-1 {top1:.3f}  '
+            f'policy probability of the top-1 {mass:.3f}')
     print(f'draft vocabulary: {metadata.vocab_coverage:.3f} of held-out drawn tokens')
     print(f'saved the {FLAGS.proposer} to {FLAGS.out} ({metadata.seconds / 60:.1f} min)')
     return

@@ -6,9 +6,10 @@ objective, limit it (notes/history.md, issue 46). This drafter is one decoder la
 attention then a residual MLP, whose keys are its own fused inputs at the response's
 earlier positions:
 
-  u_j = F(h_j, e(x_{j+1}))                        entry j: the policy's state at j and the token after it
-  z_1 = L(u_t ; u_{<t}, u_t)                      depth 1 at the last verified position t
-  u^d = F(z_{d-1}, e(y_d)),  z_d = L(u^d ; u_{<t}, u_t, u^2 .. u^d)   deeper: its own chain
+  u_j = F(h_j, e(x_{j+1}))             entry j: the policy's state at j, the token after it
+  z_1 = L(u_t ; u_{<t}, u_t)           depth 1 at the last verified position t
+  u^d = F(z_{d-1}, e(y_d))             deeper: the chain of its own drafts y_2 .. y_d,
+  z_d = L(u^d ; u_{<t}, u_t, u^2 .. u^d)
 
 F fuses the two normalised inputs; L attends from its input to the keys listed after the
 semicolon and adds a residual MLP; q_d = S(W_v z_d) over a draft vocabulary, as the
