@@ -13,7 +13,9 @@ entry n from this step's root state (the last verified h_n and the drawn root), 
 n + i from the verifier's hidden states along the accepted path (Feedback.path_hidden)
 and the accepted tokens, so nothing from a rejected node enters the cache. A plain step
 (one node per row, or the gate's choice) does not consult the proposer: its positions stay
-empty and are masked out, so later drafts see fewer earlier entries, never wrong ones.
+empty and are masked out, so later drafts see fewer earlier entries, never wrong ones. So do
+the positions of a path that group drafts (group_proposer.py) accepted below this drafter's
+depth: its feedback is cut at its own depth.
 
 Reflex does not apply, for the sequential drafter's reason (drafter_proposer.py). The slow
 path would train the layer on the learner's harvested pairs with the same loss
