@@ -1,9 +1,12 @@
-"""Self-distillation of the sequential drafter on the policy's own generations.
+"""Self-distillation of a drafter (sequential or context-attending) on the policy's own
+generations.
 
 The pairs are the heads' (speculative/pairs.py): one policy forward over (prompt + response)
 gives every position's hidden state h_t and the policy's top-K law of x_{t+1}. The drafter
 is unrolled from h_t over the realised tokens, as it runs in the tree along its best
-guesses: z_d = f(z_{d-1}, e(x_{t+d})), and depth d is trained towards the policy's law at
+guesses (its config's `teacher_forced_states`: z_d = f(z_{d-1}, e(x_{t+d})) for the
+sequential block; the context drafter's layer also attends over the entries before t, in
+one parallel pass), and depth d is trained towards the policy's law at
 t + d (that of x_{t+d+1}) by soft cross-entropy over the targets inside the draft
 vocabulary. The walk accepts a draft at T = 1 with the policy's probability of it, so the
 soft target is what the tree needs; a sampled token alone would train towards one draw.
