@@ -83,7 +83,7 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   c = get_config()
   assert c.rollout.proposers == 'heads,group'  # group drafts are on in the GRPO default
   c.rollout.proposers = 'heads,suffix'
-  with pytest.raises(ValueError, match="subset of heads, drafter, group"):
+  with pytest.raises(ValueError, match="subset of heads, drafter, context_drafter, group"):
     run_config(c)
   c = get_config()
   c.rollout.proposers = 'group'  # no heads to adapt
@@ -92,6 +92,11 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   c.rollout.proposers = 'heads,drafter,group'
   with pytest.raises(ValueError, match="one learned proposer per rollout"):
     run_config(c)
+  c.rollout.proposers = 'drafter,context_drafter'
+  with pytest.raises(ValueError, match="one learned proposer per rollout"):
+    run_config(c)
+  c.rollout.proposers = 'context_drafter,group'
+  run_config(c)  # the slow path adapts the context drafter's layer
   c.rollout.proposers = 'drafter,group'
   run_config(c)  # the slow path adapts the drafter's block
   c.adaptation.mode = 'both'
