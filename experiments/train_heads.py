@@ -29,7 +29,6 @@ when its drafter is missing):
 --proposer=context_drafter trains the context-attending drafter (speculative/
 context_drafter.py) with the same flags and --context_heads attention heads.
 """
-import dataclasses
 import time
 from pathlib import Path
 
@@ -109,8 +108,7 @@ def main(argv):
     config = DrafterConfig(depth=FLAGS.num_heads, hidden_multiplier=FLAGS.hidden_multiplier,
                            draft_vocab_size=FLAGS.draft_vocab_size)
     if FLAGS.proposer == 'context_drafter':
-      config = ContextDrafterConfig(**dataclasses.asdict(config),
-                                    num_heads=FLAGS.context_heads)
+      config = ContextDrafterConfig.from_block(config, FLAGS.context_heads)
     training = DrafterTraining(batch_size=FLAGS.batch_size, steps=FLAGS.steps,
                                learning_rate=FLAGS.learning_rate,
                                feature_weight=FLAGS.feature_weight)

@@ -4,8 +4,7 @@
 
 One set of distillation pairs (the policy's own T = 1 answers, c.kinds_pairs) trains both
 kinds with the same steps, batches, learning rate (c.kinds_training), draft vocabulary and
-seed, so
-the only difference is the context: the sequential drafter reads h_t and the token before,
+seed, so the only difference is the context: the sequential drafter reads h_t and the token before,
 the context drafter also attends over its cached entries of the response so far. Measured:
 held-out teacher-forced top-1 agreement per depth and the policy's mass on it, the recipe's
 wall time, proposing cost at one response (plain steps, as experiments.bench.drafts prices
@@ -45,8 +44,7 @@ FIELDS = [f.name for f in dataclasses.fields(DistillPairs)]
 def kinds(c) -> dict:
   sequential = drafter_config(c.drafter)
   return {'drafter': sequential,
-          'context_drafter': ContextDrafterConfig(**dataclasses.asdict(sequential),
-                                                  num_heads=c.context_heads)}
+          'context_drafter': ContextDrafterConfig.from_block(sequential, c.context_heads)}
 
 
 class SharedPairs:

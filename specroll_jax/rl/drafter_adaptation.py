@@ -11,7 +11,6 @@ drafter (speculative/drafter_proposer.py says why).
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,8 +93,7 @@ class ContextDrafterKind(DrafterKind):
   directory_name = 'context_drafter'
 
   def static_config(self, config: RunConfig) -> ContextDrafterConfig:
-    return ContextDrafterConfig(**dataclasses.asdict(config.drafter.model),
-                                num_heads=config.drafter.context_heads)
+    return ContextDrafterConfig.from_block(config.drafter.model, config.drafter.context_heads)
 
 
 class DrafterAdaptation(Adaptation):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import apply_rope, rope_tables
-from specroll_jax.speculative.drafter import DrafterConfig
+from specroll_jax.speculative.drafter import DrafterConfig, rms
 from specroll_jax.speculative.pairs import shifted
 
 CONTEXT_DRAFTER_FILE = 'context_drafter.safetensors'
@@ -53,6 +53,11 @@ class ContextDrafterConfig(DrafterConfig):
     super().__post_init__()
     if self.num_heads < 1:
       raise ValueError(f'ContextDrafterConfig: num_heads >= 1 required, got {self}')
+
+  @classmethod
+  def from_block(cls, block: DrafterConfig, num_heads: int) -> 'ContextDrafterConfig':
+    """The sequential drafter's shape `block` with an attention layer of `num_heads` heads."""
+    return cls(**dataclasses.asdict(block), num_heads=num_heads)
 
   def init_weights(self, model_config: ModelConfig, seed: int) -> dict:
     dim = model_config.hidden_size
@@ -86,10 +91,6 @@ class ContextDrafterConfig(DrafterConfig):
     return states
 
 
-def _rms(x, eps):
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
 class ContextDrafterLayer(nn.Module):
   """F (`entry`), the keys and values of an input (`keys_values`) and L (`__call__`)."""
   config: ContextDrafterConfig
@@ -113,7 +114,7 @@ class ContextDrafterLayer(nn.Module):
     self.down = nn.Dense(dim, use_bias=False, kernel_init=nn.initializers.zeros)
 
   def _norm(self, x, scale):
-    return _rms(x, self.model_config.rms_norm_eps) * scale
+    return rms(x, self.model_config.rms_norm_eps) * scale
 
   def _heads(self, x, dense, positions, rotate: bool):
     """[B, Q, D] -> [B, Q, H, Dh], rotated at `positions` [B, Q] where `rotate`."""

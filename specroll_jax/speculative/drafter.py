@@ -82,7 +82,7 @@ class DrafterParams:
   vocab_ids: jax.Array    # int32 [V_d] the draft vocabulary's policy token ids
 
 
-def _rms(x, eps):
+def rms(x, eps):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
@@ -98,12 +98,12 @@ class DrafterBlock(nn.Module):
     inner = max(1, int(round(self.config.hidden_multiplier * dim)))
     z, embedded = z.astype(jnp.float32), embedded.astype(jnp.float32)
     scale = lambda name: self.param(name, nn.initializers.ones, (dim,), jnp.float32)
-    inputs = jnp.concatenate([_rms(z, m.rms_norm_eps) * scale('z_norm'),
-                              _rms(embedded, m.rms_norm_eps) * scale('token_norm')], axis=-1)
+    inputs = jnp.concatenate([rms(z, m.rms_norm_eps) * scale('z_norm'),
+                              rms(embedded, m.rms_norm_eps) * scale('token_norm')], axis=-1)
     fused = nn.Dense(dim, use_bias=False, name='fuse')(inputs)
     update = nn.Dense(dim, use_bias=False, kernel_init=nn.initializers.zeros, name='down')(
         nn.silu(nn.Dense(inner, use_bias=False, name='up')(
-            _rms(fused, m.rms_norm_eps) * scale('block_norm'))))
+            rms(fused, m.rms_norm_eps) * scale('block_norm'))))
     return fused + update
 
 
