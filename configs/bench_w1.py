@@ -9,7 +9,8 @@ def get_config():
   c = base_config()
   c.steps = 20
   c.checkpoint_every = 20
-  c.engines = ('vanilla', 'specroll')
+  c.variants = ('vanilla', 'specroll')
+  c.proposer_dir = ''  # '' = each speculative run warm-starts its own heads
   # The heads alone, as its committed results were measured; group drafts on W1 are
   # measured in results/group_drafts (and with --config.rollout.proposers=heads,group).
   c.rollout.proposers = 'heads'

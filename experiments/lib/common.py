@@ -54,13 +54,19 @@ def trainer_part(c):
   return part
 
 
-def run_fresh(run, workdir: Path) -> list[dict]:
-  """Trains the benchmark config `run` from step 0 in `workdir` (cached heads kept);
-  returns its metrics."""
+def clear_run(workdir: Path) -> None:
+  """Removes a run's checkpoints, metrics and gate prices from `workdir` (cached warm
+  starts kept), so the next run there starts from step 0."""
   shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)
   (workdir / METRICS_FILE).unlink(missing_ok=True)
   # The gate's prices belong to the run: a fresh run measures its own.
   (workdir / STEP_COSTS_FILE).unlink(missing_ok=True)
+
+
+def run_fresh(run, workdir: Path) -> list[dict]:
+  """Trains the benchmark config `run` from step 0 in `workdir` (cached heads kept);
+  returns its metrics."""
+  clear_run(workdir)
   train(trainer_part(run), workdir)
   return [json.loads(l) for l in (workdir / METRICS_FILE).read_text().splitlines() if l]
 

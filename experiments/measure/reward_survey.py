@@ -59,6 +59,7 @@ def survey(policy, source: str, split: str | None) -> dict:
                    'all_equal_groups': float(np.mean([len(set(g)) == 1 for g in scores]))}
   return {'prompts': len(tasks), 'group_size': _GROUP.value, 'seconds': seconds,
           'mean_length': float(np.mean(lengths)),
+          'length_percentiles': {str(q): float(np.percentile(lengths, q)) for q in (10, 50, 90)},
           'capped_share': float(np.mean([n >= _MAX_NEW.value for n in lengths])),
           'rules': rules,
           'example': policy.tokenizer.decode(responses[0].token_ids, skip_special_tokens=True)}
@@ -73,7 +74,9 @@ def main(argv):
     results[task] = survey(policy, source, split or None)
     print(task, json.dumps(results[task]['rules']), file=sys.stderr)
   rows = [[task, rule, f"{v['mean_reward']:.3f}", f"{v['accuracy']:.3f}",
-           f"{v['all_equal_groups']:.2f}", f"{r['mean_length']:.0f}", f"{r['capped_share']:.0%}"]
+           f"{v['all_equal_groups']:.2f}", f"{r['mean_length']:.0f}",
+           ' / '.join(f'{n:.0f}' for n in r['length_percentiles'].values()),
+           f"{r['capped_share']:.0%}"]
           for task, r in results.items() for rule, v in r['rules'].items()]
   write(Result(
       'Starting reward per task and rule', command_line('experiments.measure.reward_survey'),
@@ -81,7 +84,7 @@ def main(argv):
       body=[f'{_PROMPTS.value} prompts x {_GROUP.value} samples at T=1, <= {_MAX_NEW.value} '
             'tokens, vanilla engine.',
             Table(['task', 'rule', 'mean reward', 'accuracy', 'all-equal groups', 'mean length',
-                   'capped'], rows, align='llrrrrr')]), _OUT.value)
+                   'length p10 / p50 / p90', 'capped'], rows, align='llrrrrrr')]), _OUT.value)
 
 
 if __name__ == '__main__':

@@ -19,17 +19,31 @@ EVENTS_DIR = 'tensorboard'
 SUMMARY_PREFIXES = ('reflex_', 'group_')
 
 
-def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, update: dict,
-                 heads: dict, checks: dict, timer: PhaseTimer) -> dict:
-  """A step's line: rewards, the rollout (its summary from the engine and its digest), the
-  heads' adaptation, the checks (audit, held-out evaluation), the update, each phase's
-  seconds, the step's compilations and the process's memory."""
+# The tail's buckets: the few last responses of a GRPO batch, where decode time is spent on
+# rows that leave the matrix unit idle and speculation has the most room per row.
+TAIL_BUCKET_ROWS = 4
+
+
+def tail_metrics(segments) -> dict:
+  """From a rollout's driver segments: the rows its first on-device loop ran, and the share
+  of its decode seconds spent in buckets of <= TAIL_BUCKET_ROWS rows."""
+  seconds = sum(s.seconds for s in segments)
+  tail = sum(s.seconds for s in segments if s.batch <= TAIL_BUCKET_ROWS)
+  return {'rows_at_start': segments[0].running,
+          'tail_decode_share': tail / seconds if seconds else 0.0}
+
+
+def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, segments,
+                 update: dict, heads: dict, checks: dict, timer: PhaseTimer) -> dict:
+  """A step's line: rewards, the rollout (its summary from the engine, its digest and its
+  tail), the heads' adaptation, the checks (audit, held-out evaluation), the update, each
+  phase's seconds, the step's compilations and the process's memory."""
   return {'step': step, 'reward': float(scores.mean()),
           'accuracy': float((scores == 1.0).mean()),
           'response_length': summary['tokens'] / len(responses),
           'tau': summary['tau'], 'acceptance_by_depth': summary.get('acceptance_by_depth'),
           'tree_step_share': summary.get('tree_step_share'),
-          'rollout_digest': rollout_digest(responses),
+          'rollout_digest': rollout_digest(responses), **tail_metrics(segments),
           **{k: v for k, v in summary.items() if k.startswith(SUMMARY_PREFIXES)},
           **heads, **checks, **update,
           **{f'time_{k}': v for k, v in timer.seconds.items()},

@@ -115,8 +115,9 @@ class Rollouts:
       tmp.replace(step_costs_path)
     self.driver = Driver(self.engine, driver_config)
 
-  def generate(self, policy_params, proposer_state, prompts, seed):
+  def generate(self, policy_params, proposer_state, prompts, seed, segments: list | None = None):
     """Responses to `prompts` x group_size; `proposer_state` is the learned proposer's
-    ProposerState (None: none drafts)."""
+    ProposerState (None: none drafts). With `segments`, each on-device loop's driver
+    `Segment` is appended to it (where the rollout's time went, bucket by bucket)."""
     params = self.engine.params(policy_params, proposer_state and proposer_state.params)
-    return self.driver.generate(params, prompts, self.group_size, seed)
+    return self.driver.generate(params, prompts, self.group_size, seed, segments=segments)

@@ -34,6 +34,13 @@ def train(c, workdir) -> dict:
       state, metrics = step(run, state)
       bar.update(1)
       bar.set_postfix(reward=f"{metrics['reward']:.2f}", tau=f"{metrics['tau']:.2f}")
+  finish(run)
+  return metrics
+
+
+def finish(run: Run) -> None:
+  """Waits for the last checkpoint's write, closes the metrics and writes report.md."""
+  c = run.config
   run.checkpoints.wait_until_finished()
   run.metrics.close()
   if run.primary:
@@ -41,7 +48,6 @@ def train(c, workdir) -> dict:
     steps_per_pass = -(-len(run.tasks) // c.rollout.prompts_per_step)
     write_report(run.workdir, window=max(1, min(steps_per_pass, c.steps // 4)),
                  reward_rule=c.task.reward)
-  return metrics
 
 
 def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
@@ -53,8 +59,9 @@ def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
   if run.evaluation.due(int(state.step)):
     with timer('evaluation'):
       checks.update(run.evaluation(policy_params, int(state.step)))
+  segments = []
   with timer('rollout'):
-    responses = run.rollouts.generate(policy_params, state.heads, prompts, seed)
+    responses = run.rollouts.generate(policy_params, state.heads, prompts, seed, segments)
   if run.audit.due(number):
     with timer('audit'):
       checks.update(run.audit(policy_params, prompts, seed, responses, timer.seconds['rollout']))
@@ -78,7 +85,7 @@ def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
   state = updated.replace(step=number, heads=heads,
                           data_position=run.next_position(int(state.data_position)))
   metrics = step_metrics(number, scores, responses, run.rollouts.engine.summarize(responses),
-                         update, head_metrics, checks, timer)
+                         segments, update, head_metrics, checks, timer)
   run.metrics.append(metrics)
   if due(c.checkpoint_every, number) or number == c.steps:
     with timer('checkpoint'):
