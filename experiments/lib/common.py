@@ -48,6 +48,7 @@ def trainer_part(c):
   """The trainer's sections of a benchmark config, which adds its own top-level keys
   (out_dir, variants, ...) to a training config: what `train` checks, strictly."""
   part = c.copy_and_resolve_references()
+  part.unlock()  # absl's --config flag hands over a locked config
   trainer_keys = {f.name for f in dataclasses.fields(RunConfig)}
   for key in [k for k in part.keys() if k not in trainer_keys]:
     del part[key]
