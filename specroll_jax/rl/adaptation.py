@@ -60,6 +60,9 @@ class LearnedProposerKind(abc.ABC):
   """One kind of learned proposer: how a run warm-starts it, drafts with it, adapts it, and
   what memory it takes."""
 
+  # Where a run's workdir caches its warm start (the kind's name in rollout.proposers).
+  directory_name: str
+
   @property
   def supports_reflex(self) -> bool:
     """Whether Reflex (adaptation.mode reflex|both) can correct its drafts."""

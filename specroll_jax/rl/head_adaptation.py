@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 class HeadsKind(LearnedProposerKind):
   """config.heads: the warm start; config.rollout.head_drafts: the trees they draft."""
 
+  directory_name = 'heads'
+
   @property
   def supports_reflex(self) -> bool:
     return True
@@ -36,7 +38,7 @@ class HeadsKind(LearnedProposerKind):
 
   def warm_start(self, policy: Policy, config: RunConfig, task_prompts, workdir: Path,
                  source: Path) -> WarmStarted:
-    h, directory = config.heads, workdir / 'heads'
+    h, directory = config.heads, workdir / self.directory_name
     heads_config, params = ensure_heads(
         policy, self.static_config(config),
         DistillConfig(steps=h.steps, batch_size=h.batch_size,

@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specroll_jax.rl.metrics import TAIL_BUCKET_ROWS  # noqa: E402
+
 HELD_OUT_SUMMARY = ('heldout_updates', 'heldout_reward', 'heldout_accuracy')
 TIME_KEYS = ('rollout', 'audit', 'evaluation', 'reward', 'logprobs', 'update', 'head_update')
 
@@ -54,6 +56,15 @@ def _held_out_lines(evaluations, reward_rule: str) -> list[str]:
   return lines + ['']
 
 
+def _tail_lines(rows) -> list[str]:
+  tails = [r for r in rows if 'tail_decode_share' in r]  # lines of runs from before it
+  if not tails:
+    return []
+  share = sum(r['tail_decode_share'] for r in tails) / len(tails)
+  return [f"Rollouts start at {tails[0]['rows_at_start']} rows; on average {share:.0%} of a "
+          f'rollout\'s decode time is spent in buckets of <= {TAIL_BUCKET_ROWS} rows (the tail).']
+
+
 def write_report(workdir, window: int = 5, reward_rule: str = 'strict') -> Path:
   """report.md and its plots; rewards and accuracy are compared between the first and the
   last `window` steps."""
@@ -95,7 +106,8 @@ def write_report(workdir, window: int = 5, reward_rule: str = 'strict') -> Path:
            f'{len(rows)} steps, reward rule {reward_rule}. Mean reward over the first / last '
            f'{window} steps: '
            f'{first:.3f} -> {last:.3f} ({last - first:+.3f}); accuracy {acc_first:.3f} -> '
-           f'{acc_last:.3f}; mean tau {sum(r["tau"] for r in rows) / len(rows):.2f}.', '',
+           f'{acc_last:.3f}; mean tau {sum(r["tau"] for r in rows) / len(rows):.2f}.',
+           *_tail_lines(rows), '',
            *_held_out_lines(evaluations, reward_rule), *_audit_lines(audits),
            '## Time', '', '| phase | seconds | share |', '|---|---:|---:|']
   total = sum(totals.values()) or 1.0

@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from configs import (bench_w1, bench_w2, bench_w3, bench_w4, drafts_w3, group_drafts, paper,
-                     smol_grpo, tiny_math)
+from configs import (bench_smol_paper, bench_w1, bench_w2, bench_w3, bench_w4, drafts_w3,
+                     group_drafts, paper, smol_grpo, smol_grpo_paper, tiny_math)
 from configs.tiny_math import get_config
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.trainer import train
@@ -17,9 +17,10 @@ from tests.conftest import FIXTURE_DATA
 PAPER_ARGS = [f'{m},{d}' for m in paper.MODELS for d in paper.DATASETS]
 
 
-@pytest.mark.parametrize('config', [tiny_math.get_config(), smol_grpo.get_config()] +
+@pytest.mark.parametrize('config', [tiny_math.get_config(), smol_grpo.get_config(),
+                                    smol_grpo_paper.get_config()] +
                          [paper.get_config(a) for a in PAPER_ARGS],
-                         ids=['tiny_math', 'smol_grpo'] + PAPER_ARGS)
+                         ids=['tiny_math', 'smol_grpo', 'smol_grpo_paper'] + PAPER_ARGS)
 def test_training_configs_are_consistent(config):
   rows = config.rollout.prompts_per_step * config.rollout.group_size
   assert rows % config.grpo.micro_batch_size == 0
@@ -63,8 +64,10 @@ def test_run_config_is_typed_and_benchmarks_hand_the_trainer_its_part():
   assert config.grpo.group_size == config.rollout.group_size  # derived once, at the edge
   with pytest.raises(dataclasses.FrozenInstanceError):
     config.rollout.engine = 'vanilla'
-  bench = bench_w1.get_config()
-  assert bench.out_dir and run_config(trainer_part(bench)).steps == bench.steps
+  for module in (bench_w1, bench_smol_paper):
+    bench = module.get_config()
+    bench.lock()  # as absl's --config flag hands it over
+    assert bench.out_dir and run_config(trainer_part(bench)).steps == bench.steps
 
 
 def test_paper_config_rejects_unknown_names():

@@ -157,7 +157,7 @@ KILLS = (('rollout', 2), ('update', 2), ('checkpoint', 3))
 CHECKPOINT_KILL_DELAY = 0.02
 PARTIAL_CHECKPOINT = '*.orbax-checkpoint-tmp*'
 # Keys whose values are measurements of this run, not results of its computation.
-MEASURED = ('time_', 'rss_mib', 'live_array', 'compilations')
+MEASURED = ('time_', 'tail_decode_share', 'rss_mib', 'live_array', 'compilations')
 
 
 def _command(workdir):
