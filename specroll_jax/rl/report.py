@@ -57,7 +57,8 @@ def _held_out_lines(evaluations, reward_rule: str) -> list[str]:
 
 
 def _tail_lines(rows) -> list[str]:
-  tails = [r for r in rows if 'tail_decode_share' in r]  # lines of runs from before it
+  # A run resumed from before these metrics existed has lines without them.
+  tails = [r for r in rows if 'tail_decode_share' in r]
   if not tails:
     return []
   share = sum(r['tail_decode_share'] for r in tails) / len(tails)
