@@ -152,14 +152,15 @@ def quarter_tau(rows: list[dict]) -> tuple[float, float]:
 def adaptation_comparison(c, rows: dict) -> dict:
   """The slow path against always-online (variants whose mode is 'slow' and 'online'): tau
   over the last quarter of steps, and the seconds spent adapting the proposer."""
-  modes = {variant_config(c, v).adaptation.mode: v for v in rows if v != BASELINE}
+  # A variant's mode is its name's (variant_config checked it), else the job's.
+  modes = {v.partition(':')[2] or c.adaptation.mode: v for v in rows if v != BASELINE}
   if 'slow' not in modes or 'online' not in modes:
     return {'slow_over_online_tau': None, 'slow_update_share_of_online': None}
   slow, online = rows[modes['slow']], rows[modes['online']]
-  adapting = lambda variant_rows: totals(variant_rows)['head_update']
+  slow_seconds, online_seconds = (totals(r)['head_update'] for r in (slow, online))
   return {'slow_over_online_tau': quarter_tau(slow)[1] / quarter_tau(online)[1],
           'slow_update_share_of_online':
-              adapting(slow) / adapting(online) if adapting(online) else None}
+              slow_seconds / online_seconds if online_seconds else None}
 
 
 def summary(c, rows: dict, states: dict) -> dict:
