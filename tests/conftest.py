@@ -3,15 +3,19 @@ session, and shared fixtures."""
 import os
 import tempfile
 
-# Must happen before jax is imported anywhere in the test process.
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8').strip()
+# Must happen before jax is imported anywhere in the test process. Once: pytest-xdist's
+# workers inherit the flags of the process that imported this file first.
+HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
+if HOST_DEVICES_FLAG not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# A persistent compilation cache, new for each session and inherited by the subprocesses
-# the tests start: a program compiled once (the same HLO, options and devices) is loaded by
-# later tests instead of compiled again, the same executable and so the same bits (the
-# exactness module ran 28% faster with it, 2026-12-04). Loads still count as compilations
-# (rollout/compilation.py), so the no-recompilation tests see them.
+# A persistent compilation cache, new for each session (each pytest-xdist worker has its own:
+# JAX writes an entry without a lock, so another process could read it half written) and
+# inherited by the subprocesses the tests start: a program compiled once (the same HLO,
+# options and devices) is loaded by later tests instead of compiled again, the same
+# executable and so the same bits (the exactness module ran 28% faster with it, 2026-12-04).
+# Loads still count as compilations (rollout/compilation.py), so the no-recompilation tests
+# see them.
 os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='specroll_tests_xla_cache_')
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
