@@ -18,9 +18,7 @@ held-out evaluation off: the side-by-side audits every step, and the evaluation 
 c.proposer_dir places a proposer trained beforehand into each speculative run, in place of the
 run's own warm start.
 """
-import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
 import jax
@@ -28,18 +26,15 @@ from absl import app
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from experiments.lib.common import clear_run, totals, trainer_part
+from experiments.lib.common import totals
 from experiments.lib.results import Figure, Result, Table, command_line, write
-from specroll_jax.rl.learned_proposers import KINDS
+from experiments.lib.variant_runs import BASELINE, build_runs
 from specroll_jax.rl.report import TIME_KEYS
 from specroll_jax.rl.resources import restart_with_large_frees_returned
-from specroll_jax.rl.run import make_run
-from specroll_jax.rl.run_config import run_config
 from specroll_jax.rl.trainer import finish, step
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_smol_paper.py')
 
-BASELINE = 'vanilla'
 # What a step learned: bitwise equal between variants whose rollouts are the same tokens.
 LEARNING_KEYS = ('rollout_digest', 'reward', 'accuracy', 'response_length', 'loss',
                  'policy_loss', 'grad_norm', 'ratio', 'entropy', 'clip_fraction',
@@ -47,51 +42,9 @@ LEARNING_KEYS = ('rollout_digest', 'reward', 'accuracy', 'response_length', 'los
 LEARNER_PHASES = ('reward', 'logprobs', 'update', 'head_update')
 
 
-def variant_config(c, variant: str):
-  """The typed run config of `variant` ('vanilla', 'specroll' or 'specroll:MODE')."""
-  engine, _, mode = variant.partition(':')
-  run = trainer_part(c)
-  run.rollout.engine = engine
-  if mode:
-    if engine != 'specroll':
-      raise ValueError(f'config variants: {variant!r}: only specroll variants take an '
-                       'adaptation mode')
-    run.adaptation.mode = mode
-  return run_config(run)
-
-
-def checked_variants(c) -> dict:
-  """Every variant's typed config, all checked before any run is built (minutes each)."""
-  variants = tuple(c.variants)
-  if len(variants) < 2 or variants[0] != BASELINE or len(set(variants)) != len(variants):
-    raise ValueError(f'config variants must start with {BASELINE!r} and name at least one '
-                     f'other, each once, got {variants}')
+def check_steps(c) -> None:
   if c.steps < 2:
     raise ValueError(f'config steps must be >= 2 (the first compiles), got {c.steps}')
-  return {variant: variant_config(c, variant) for variant in variants}
-
-
-def place_proposer(c, config, workdir: Path) -> None:
-  """Copies the learned proposer trained beforehand (c.proposer_dir) to where the run's warm
-  start finds it, for the variants that draft with one."""
-  learned = config.rollout.learned_proposer
-  if not c.proposer_dir or learned is None:
-    return
-  kind, source = KINDS[learned], Path(c.proposer_dir)
-  if not kind.is_saved(source):
-    raise FileNotFoundError(f'config proposer_dir: {source} holds no saved {learned}')
-  shutil.copytree(source, workdir / kind.directory_name, dirs_exist_ok=True)
-
-
-def build_runs(c) -> dict:
-  """Every variant's run and starting state, from step 0 in its own fresh workdir."""
-  runs = {}
-  for variant, config in checked_variants(c).items():
-    workdir = Path(c.workdir) / variant.replace(':', '_')
-    clear_run(workdir)
-    place_proposer(c, config, workdir)
-    runs[variant] = make_run(config, workdir)
-  return runs
 
 
 def step_in_turn(c, runs: dict) -> tuple[dict, dict]:
@@ -152,7 +105,7 @@ def quarter_tau(rows: list[dict]) -> tuple[float, float]:
 def adaptation_comparison(c, rows: dict) -> dict:
   """The slow path against always-online (variants whose mode is 'slow' and 'online'): tau
   over the last quarter of steps, and the seconds spent adapting the proposer."""
-  # A variant's mode is its name's (variant_config checked it), else the job's.
+  # A variant's mode is its name's (checked by variant_runs.variant_config), else the job's.
   modes = {v.partition(':')[2] or c.adaptation.mode: v for v in rows if v != BASELINE}
   if 'slow' not in modes or 'online' not in modes:
     return {'slow_over_online_tau': None, 'slow_update_share_of_online': None}
@@ -247,7 +200,8 @@ def main(argv):
   c = _CONFIG.value
   if c.return_large_frees:
     restart_with_large_frees_returned()
-  rows, states = step_in_turn(c, build_runs(c))
+  check_steps(c)
+  rows, states = step_in_turn(c, build_runs(c, c.workdir))
   data = summary(c, rows, states)
   write(report(c, data), c.out_dir)
   if not data['learning_bitwise_equal']:

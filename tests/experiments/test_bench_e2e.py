@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.bench import e2e
+from experiments.lib import variant_runs
 from experiments.lib.results import write
 from specroll_jax.rl.metrics import tail_metrics
 from specroll_jax.rollout.driver import Segment
@@ -33,7 +34,7 @@ def stepped(tmp_path_factory, stories_policy):
                init_drafter(drafter, stories_policy.config,
                             np.arange(stories_policy.config.vocab_size)))
   c = _bench_config(tmp)
-  rows, states = e2e.step_in_turn(c, e2e.build_runs(c))
+  rows, states = e2e.step_in_turn(c, variant_runs.build_runs(c, c.workdir))
   return c, rows, states
 
 
@@ -78,14 +79,14 @@ def test_a_final_policy_that_differs_is_reported(stepped):
 def test_variants_and_steps_are_checked_before_any_run(tmp_path):
   c = _bench_config(tmp_path)
   with pytest.raises(ValueError, match="config variants: 'vanilla:static'"):
-    e2e.variant_config(c, 'vanilla:static')
+    variant_runs.variant_config(c, 'vanilla:static')
   for variants in [('specroll',), ('vanilla', 'specroll', 'specroll')]:
     c.variants = variants
     with pytest.raises(ValueError, match="config variants must start with 'vanilla'"):
-      e2e.build_runs(c)
-  c.variants, c.steps = ('vanilla', 'specroll'), 1
+      variant_runs.build_runs(c, c.workdir)
+  c.steps = 1
   with pytest.raises(ValueError, match='config steps must be >= 2'):
-    e2e.build_runs(c)
+    e2e.check_steps(c)
   assert not (tmp_path / 'runs').exists()
 
 
