@@ -11,16 +11,13 @@ the report gives each variant's median seconds and tokens per second, so a diffe
 whole step's generation time is found where it arises (gated plain steps against vanilla's
 steps, tree steps, the buckets that only one engine visits).
 """
-import statistics
-
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.lib.results import Figure, Result, Table, command_line, write
-from experiments.lib.variant_runs import BASELINE, build_runs
+from experiments.lib.bucket_times import report, summary, timed_rollouts
+from experiments.lib.results import write
+from experiments.lib.variant_runs import build_runs
 from specroll_jax.rl.resources import restart_with_large_frees_returned
-from specroll_jax.rl.rollouts import step_seed
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_smol_paper.py')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Timed rollouts per variant, after one that '
@@ -28,83 +25,6 @@ _REPEATS = flags.DEFINE_integer('repeats', 2, 'Timed rollouts per variant, after
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/profile_buckets',
                                'Where the variant runs are built (cleared first).')
 _OUT = flags.DEFINE_string('out_dir', 'results/smol_grpo_paper/buckets', 'Where results go.')
-
-QUANTITIES = ('seconds', 'tokens', 'row_steps')
-
-
-def timed_rollouts(runs: dict, repeats: int) -> tuple[dict, dict]:
-  """Each variant's rollout of its first step's prompts, with that step's seed: one that
-  compiles, then `repeats` in alternation; (per variant: each timed rollout's driver
-  segments, the engine's summary of the last one)."""
-  segments, summaries = {v: [] for v in runs}, {}
-  for repeat in range(repeats + 1):
-    for variant, (run, state) in runs.items():
-      _, prompts = run.step_tasks(int(state.data_position))
-      found = []
-      responses = run.rollouts.generate(run.learner.rollout_params(state), state.heads,
-                                        prompts, step_seed(run.config, int(state.step)), found)
-      if repeat:
-        segments[variant].append(found)
-      summaries[variant] = run.rollouts.engine.summarize(responses)
-  return segments, summaries
-
-
-def by_bucket(rollouts: list[list]) -> dict:
-  """batch bucket -> the median over rollouts of its seconds, tokens and row steps (each
-  summed over the rollout's segments in that bucket; 0 where a rollout never ran it)."""
-  buckets = sorted({s.batch for segments in rollouts for s in segments}, reverse=True)
-  total = lambda segments, batch, key: sum(getattr(s, key) for s in segments
-                                           if s.batch == batch)
-  return {batch: {key: statistics.median(total(segments, batch, key) for segments in rollouts)
-                  for key in QUANTITIES} for batch in buckets}
-
-
-def summary(segments: dict, summaries: dict, prices: dict) -> dict:
-  buckets = {variant: by_bucket(rollouts) for variant, rollouts in segments.items()}
-  seconds = {variant: statistics.median(sum(s.seconds for s in rollout) for rollout in rollouts)
-             for variant, rollouts in segments.items()}
-  return {'repeats': len(segments[BASELINE]), 'buckets': buckets,
-          'rollout_seconds': seconds,
-          'speedup': {v: seconds[BASELINE] / s for v, s in seconds.items() if v != BASELINE},
-          'tau': {v: s['tau'] for v, s in summaries.items()},
-          'tree_step_share': {v: s.get('tree_step_share') for v, s in summaries.items()},
-          'tree_step_costs': prices}
-
-
-def report(c, data: dict) -> Result:
-  other = c.variants[1]  # the headline variant, as in the end-to-end benchmark
-  base, spec = data['buckets'][BASELINE], data['buckets'][other]
-  rate = lambda row: row['tokens'] / row['seconds'] if row and row['seconds'] else 0.0
-  cells = lambda row: ([f"{row['seconds']:.2f}", f'{rate(row):.1f}'] if row else ['-', '-'])
-  rows = [[b, *cells(base.get(b)), *cells(spec.get(b)),
-           f'{rate(spec[b]) / rate(base[b]):.2f}' if b in base and b in spec else '-']
-          for b in sorted(set(base) | set(spec), reverse=True)]
-  return Result(
-      title=f'One GRPO rollout by batch bucket: {BASELINE} / {other}',
-      command=command_line('experiments.profile.buckets'), data=data,
-      body=[f"The first step's rollout ({c.rollout.prompts_per_step} prompts x "
-            f"{c.rollout.group_size}), medians of {data['repeats']} timed rollouts each, in "
-            f"alternation after one that compiled. {other} generated at "
-            f"{data['speedup'][other]:.2f}x of {BASELINE}'s speed, tau "
-            f"{data['tau'][other]:.3f}, tree steps {data['tree_step_share'][other]:.1%} of "
-            f"row steps; the gate's price of a tree step, in plain steps, per bucket: "
-            f"{data['tree_step_costs'][other]}.",
-            Table(['bucket', f'{BASELINE} s', f'{BASELINE} tokens/s', f'{other} s',
-                   f'{other} tokens/s', 'tokens/s ratio'], rows)],
-      figures=[Figure('buckets.png', 'seconds per batch bucket',
-                      lambda fig: plot_buckets(fig, data['buckets']))])
-
-
-def plot_buckets(fig, buckets: dict) -> None:
-  ax = fig.subplots()
-  batches = sorted({b for per_variant in buckets.values() for b in per_variant}, reverse=True)
-  width = 0.8 / len(buckets)
-  for i, (variant, per_bucket) in enumerate(buckets.items()):
-    ax.bar(np.arange(len(batches)) + i * width,
-           [per_bucket.get(b, {}).get('seconds', 0.0) for b in batches], width, label=variant)
-  ax.set_xticks(np.arange(len(batches)) + width * (len(buckets) - 1) / 2, batches)
-  ax.set(xlabel='batch bucket (rows)', ylabel='seconds (median)')
-  ax.legend()
 
 
 def main(argv):

@@ -1,7 +1,7 @@
 """The rollout profile by batch bucket: medians per bucket, buckets one engine never visits."""
 import ml_collections
 
-from experiments.profile import buckets
+from experiments.lib import bucket_times as buckets
 from experiments.lib.results import write
 from specroll_jax.rollout.driver import Segment
 
