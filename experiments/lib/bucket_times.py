@@ -31,7 +31,10 @@ def timed_rollouts(runs: dict, repeats: int) -> tuple[dict, dict]:
 
 def by_bucket(rollouts: list[list]) -> dict:
   """batch bucket -> the median over rollouts of its seconds, tokens and row steps (each
-  summed over the rollout's segments in that bucket; 0 where a rollout never ran it)."""
+  summed over the rollout's segments in that bucket; 0 where a rollout never ran it).
+
+  Medians, where side_by_side.by_bucket takes means: whole rollouts of the real model spread
+  by up to ~13% between repeats on this CPU, and one slow repeat should not move a bucket."""
   buckets = sorted({s.batch for segments in rollouts for s in segments}, reverse=True)
   total = lambda segments, batch, key: sum(getattr(s, key) for s in segments
                                            if s.batch == batch)
@@ -40,12 +43,15 @@ def by_bucket(rollouts: list[list]) -> dict:
 
 
 def summary(segments: dict, summaries: dict, prices: dict) -> dict:
-  buckets = {variant: by_bucket(rollouts) for variant, rollouts in segments.items()}
+  # Bucket keys as results.json has them, so a report drawn again from the file is the same.
+  buckets = {variant: {str(b): row for b, row in by_bucket(rollouts).items()}
+             for variant, rollouts in segments.items()}
   seconds = {variant: statistics.median(sum(s.seconds for s in rollout) for rollout in rollouts)
              for variant, rollouts in segments.items()}
   return {'repeats': len(segments[BASELINE]), 'buckets': buckets,
           'rollout_seconds': seconds,
-          'speedup': {v: seconds[BASELINE] / s for v, s in seconds.items() if v != BASELINE},
+          'speedup': {v: seconds[BASELINE] / s for v, s in seconds.items()
+                      if v != BASELINE and s},
           'tau': {v: s['tau'] for v, s in summaries.items()},
           'tree_step_share': {v: s.get('tree_step_share') for v, s in summaries.items()},
           'tree_step_costs': prices}
@@ -56,19 +62,21 @@ def report(c, data: dict) -> Result:
   base, spec = data['buckets'][BASELINE], data['buckets'][other]
   rate = lambda row: row['tokens'] / row['seconds'] if row and row['seconds'] else 0.0
   cells = lambda row: ([f"{row['seconds']:.2f}", f'{rate(row):.1f}'] if row else ['-', '-'])
-  rows = [[b, *cells(base.get(b)), *cells(spec.get(b)),
-           f'{rate(spec[b]) / rate(base[b]):.2f}' if b in base and b in spec else '-']
-          for b in sorted(set(base) | set(spec), reverse=True)]
+  ratio = lambda b: (f'{rate(spec[b]) / rate(base[b]):.2f}'
+                     if b in spec and rate(base.get(b)) else '-')
+  rows = [[b, *cells(base.get(b)), *cells(spec.get(b)), ratio(b)]
+          for b in sorted(set(base) | set(spec), key=int, reverse=True)]
+  prices = ', '.join(f'{cost:.2f} at {batch}' for batch, cost in data['tree_step_costs'][other])
   return Result(
       title=f'One GRPO rollout by batch bucket: {BASELINE} / {other}',
       command=command_line('experiments.profile.buckets'), data=data,
       body=[f"The first step's rollout ({c.rollout.prompts_per_step} prompts x "
             f"{c.rollout.group_size}), medians of {data['repeats']} timed rollouts each, in "
-            f"alternation after one that compiled. {other} generated at "
-            f"{data['speedup'][other]:.2f}x of {BASELINE}'s speed, tau "
+            f"alternation after one that compiled. {other}'s decode loops ran at "
+            f"{data['speedup'][other]:.2f}x of {BASELINE}'s speed (the driver's segments: "
+            f"prefill and the gathers between buckets left out), tau "
             f"{data['tau'][other]:.3f}, tree steps {data['tree_step_share'][other]:.1%} of "
-            f"row steps; the gate's price of a tree step, in plain steps, per bucket: "
-            f"{data['tree_step_costs'][other]}.",
+            f"row steps; the gate's price of a tree step, in plain steps: {prices} rows.",
             Table(['bucket', f'{BASELINE} s', f'{BASELINE} tokens/s', f'{other} s',
                    f'{other} tokens/s', 'tokens/s ratio'], rows)],
       figures=[Figure('buckets.png', 'seconds per batch bucket',
@@ -77,7 +85,8 @@ def report(c, data: dict) -> Result:
 
 def plot_buckets(fig, buckets: dict) -> None:
   ax = fig.subplots()
-  batches = sorted({b for per_variant in buckets.values() for b in per_variant}, reverse=True)
+  batches = sorted({b for per_variant in buckets.values() for b in per_variant}, key=int,
+                   reverse=True)
   width = 0.8 / len(buckets)
   for i, (variant, per_bucket) in enumerate(buckets.items()):
     ax.bar(np.arange(len(batches)) + i * width,

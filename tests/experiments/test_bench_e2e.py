@@ -47,7 +47,7 @@ def test_variants_learn_bit_for_bit_what_vanilla_learns(stepped):
   # The placed drafter is what the run loaded (a warm start would have written its own).
   placed = Path(c.workdir) / 'specroll_static' / 'drafter' / DrafterConfig.weights_file
   assert placed.read_bytes() == (Path(c.proposer_dir) / DrafterConfig.weights_file).read_bytes()
-  write(e2e.report(c, data), c.out_dir)
+  write(e2e.report(c, data), c.out_dir, tensorboard_dir=Path(c.workdir) / 'tensorboard')
   written = json.loads((Path(c.out_dir) / 'results.json').read_text())
   assert written['learning_bitwise_equal'] is True and written['steps'] == 2
 

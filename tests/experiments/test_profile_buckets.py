@@ -26,11 +26,12 @@ def test_report_compares_each_bucket_and_names_those_one_engine_never_ran(tmp_pa
               'specroll': [[_segment(32, 8.0, 300), _segment(4, 1.0, 10)]]}
   summaries = {'vanilla': {'tau': 1.0}, 'specroll': {'tau': 1.5, 'tree_step_share': 0.25}}
   data = buckets.summary(segments, summaries, {'vanilla': [], 'specroll': [[32, 2.0]]})
+  assert list(data['buckets']['specroll']) == ['32', '4']
   assert data['speedup'] == {'specroll': 10.0 / 9.0}
   c = ml_collections.ConfigDict({'variants': ('vanilla', 'specroll'),
                                  'rollout': {'prompts_per_step': 4, 'group_size': 8}})
   result = buckets.report(c, data)
-  write(result, tmp_path)
+  write(result, tmp_path, tensorboard_dir=tmp_path / 'tensorboard')
   table = (tmp_path / 'README.md').read_text()
   assert '| 32 | 10.00 | 30.0 | 8.00 | 37.5 | 1.25 |' in table
   assert '| 4 | - | - | 1.00 | 10.0 | - |' in table

@@ -183,45 +183,43 @@ def _read_markers(stream, markers: queue.Queue):
   markers.put(None)
 
 
-def _ready(markers: queue.Queue) -> list:
-  """The markers already read, without waiting for more."""
-  ready = []
-  while not markers.empty():
-    ready.append(markers.get())
-  return ready
-
-
 def _kill_in_phase(workdir, phase, step, max_delay, rng):
   """Runs the job until it logs `step N: phase` for some N >= `step` (for a checkpoint:
-  and its write has begun), then SIGKILLs it after a random delay; returns the last phase
-  it logged. Where the run logged its next phase during the delay (a phase can run faster
-  here than in the straight run the delay came from, as the machine's load moves), the
-  kill waits for the same phase of the next step instead."""
+  and its write has begun), then SIGKILLs it after a random delay; returns (the last phase
+  it logged, N). Where the run logs its next phase during the delay (a phase can run faster
+  here than in the straight run the delay came from, as the machine's load moves), that
+  kill is called off and the next step's phase is tried. A marker the run has written but
+  the reader thread has not yet queued when the delay ends is still missed: the test then
+  fails on the phase the kill landed in, never silently."""
   process = subprocess.Popen(_command(workdir), cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
   markers = queue.Queue()
   threading.Thread(target=_read_markers, args=(process.stderr, markers), daemon=True).start()
-  seen, killed = [], False
-  for marker in iter(markers.get, None):
-    seen.append(marker)
-    if killed or marker[1] != phase or marker[0] < step:
-      continue
-    deadline = time.time() + 30
-    while phase == 'checkpoint' and not _partial_checkpoints(workdir) and (
-        time.time() < deadline):
-      time.sleep(0.001)
-    time.sleep(rng.uniform(0.0, max_delay))
-    later = _ready(markers)
-    seen += [m for m in later if m]
-    # Orbax writes asynchronously: a checkpoint write outlives its phase's marker.
-    if phase == 'checkpoint' or not later:
+  seen, kill_at, killed_step, ended = [], None, None, False
+  while True:
+    try:
+      marker = markers.get(timeout=None if kill_at is None else max(0.0, kill_at - time.time()))
+    except queue.Empty:  # the delay ended inside the phase
       process.send_signal(signal.SIGKILL)
-      killed = True
-    if None in later:
       break
+    if ended := marker is None:
+      break
+    seen.append(marker)
+    # Orbax writes asynchronously: a checkpoint write outlives its phase's marker.
+    if kill_at is not None and phase != 'checkpoint':
+      kill_at = None
+    if kill_at is None and marker[1] == phase and marker[0] >= step:
+      deadline = time.time() + 30
+      while phase == 'checkpoint' and not _partial_checkpoints(workdir) and (
+          time.time() < deadline):
+        time.sleep(0.001)
+      kill_at, killed_step = time.time() + rng.uniform(0.0, max_delay), marker[0]
+  if not ended:  # what the run logged before the kill stopped it
+    seen += list(iter(markers.get, None))
   process.wait()
-  assert process.returncode == -signal.SIGKILL, f'{phase}: the run ended before the kill'
-  return seen[-1]
+  assert process.returncode == -signal.SIGKILL, (
+      f'{phase}: the run ended before the kill; it logged {seen}')
+  return seen[-1], killed_step
 
 
 def _checkpoint(workdir):
@@ -247,15 +245,15 @@ def test_run_killed_in_each_phase_resumes_to_the_same_state(tmp_path):
     # than the killed run, which loads it from the session's cache, takes.
     max_delay = (CHECKPOINT_KILL_DELAY if phase == 'checkpoint'
                  else min(m[f'time_{phase}'] for s, m in timed.items() if s >= step) / 2)
-    landed = _kill_in_phase(killed, phase, step, max_delay, rng)
+    landed, killed_step = _kill_in_phase(killed, phase, step, max_delay, rng)
     if phase == 'checkpoint':
       # Orbax writes asynchronously: the write goes on into the next step's first phase
       # (a tiny model's can be that quick), and what the kill must interrupt is the write.
-      assert landed[0] in (step, step + 1), landed
-      assert list((killed / 'checkpoints').glob(f'{step}{PARTIAL_CHECKPOINT}')), (
+      assert landed[0] in (killed_step, killed_step + 1), landed
+      assert list((killed / 'checkpoints').glob(f'{killed_step}{PARTIAL_CHECKPOINT}')), (
           'the kill missed the checkpoint write')
     else:
-      assert landed[1] == phase and landed[0] >= step, landed
+      assert landed == (killed_step, phase), landed
   subprocess.run(_command(killed), cwd=REPO, check=True, capture_output=True)
   drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
   assert drop(_metrics(killed)) == drop(_metrics(straight))
