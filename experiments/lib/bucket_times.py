@@ -67,20 +67,20 @@ def report(c, data: dict) -> Result:
   rows = [[b, *cells(base.get(b)), *cells(spec.get(b)), ratio(b)]
           for b in sorted(set(base) | set(spec), key=int, reverse=True)]
   prices = ', '.join(f'{cost:.2f} at {batch}' for batch, cost in data['tree_step_costs'][other])
-  return Result(
-      title=f'One GRPO rollout by batch bucket: {BASELINE} / {other}',
-      command=command_line('experiments.profile.buckets'), data=data,
-      body=[f"The first step's rollout ({c.rollout.prompts_per_step} prompts x "
-            f"{c.rollout.group_size}), medians of {data['repeats']} timed rollouts each, in "
-            f"alternation after one that compiled. {other}'s decode loops ran at "
-            f"{data['speedup'][other]:.2f}x of {BASELINE}'s speed (the driver's segments: "
-            f"prefill and the gathers between buckets left out), tau "
-            f"{data['tau'][other]:.3f}, tree steps {data['tree_step_share'][other]:.1%} of "
-            f"row steps; the gate's price of a tree step, in plain steps: {prices} rows.",
-            Table(['bucket', f'{BASELINE} s', f'{BASELINE} tokens/s', f'{other} s',
-                   f'{other} tokens/s', 'tokens/s ratio'], rows)],
-      figures=[Figure('buckets.png', 'seconds per batch bucket',
-                      lambda fig: plot_buckets(fig, data['buckets']))])
+  text = (f"The first step's rollout ({c.rollout.prompts_per_step} prompts x "
+          f"{c.rollout.group_size}), medians of {data['repeats']} timed rollouts each, in "
+          f"alternation after one that compiled. {other}'s decode loops ran at "
+          f"{data['speedup'][other]:.2f}x of {BASELINE}'s speed (the driver's segments: "
+          f"prefill and the gathers between buckets left out), tau {data['tau'][other]:.3f}, "
+          f"tree steps {data['tree_step_share'][other]:.1%} of row steps; the gate's price of "
+          f"a tree step, in plain steps: {prices} rows.")
+  table = Table(['bucket', f'{BASELINE} s', f'{BASELINE} tokens/s', f'{other} s',
+                 f'{other} tokens/s', 'tokens/s ratio'], rows)
+  return Result(title=f'One GRPO rollout by batch bucket: {BASELINE} / {other}',
+                command=command_line('experiments.profile.buckets'), data=data,
+                body=[text, table],
+                figures=[Figure('buckets.png', 'seconds per batch bucket',
+                                lambda fig: plot_buckets(fig, data['buckets']))])
 
 
 def plot_buckets(fig, buckets: dict) -> None:
