@@ -16,13 +16,15 @@ def timed_rollouts(runs: dict, repeats: int) -> tuple[dict, dict]:
   """Each variant's rollout of its first step's prompts, with that step's seed: one that
   compiles, then `repeats` in alternation; (per variant: each timed rollout's driver
   segments, the engine's summary of the last one)."""
+  inputs = {variant: (run.learner.rollout_params(state), state.heads,
+                      run.step_tasks(int(state.data_position))[1],
+                      step_seed(run.config, int(state.step)))
+            for variant, (run, state) in runs.items()}
   segments, summaries = {v: [] for v in runs}, {}
   for repeat in range(repeats + 1):
-    for variant, (run, state) in runs.items():
-      _, prompts = run.step_tasks(int(state.data_position))
+    for variant, (run, _) in runs.items():
       found = []
-      responses = run.rollouts.generate(run.learner.rollout_params(state), state.heads,
-                                        prompts, step_seed(run.config, int(state.step)), found)
+      responses = run.rollouts.generate(*inputs[variant], found)
       if repeat:
         segments[variant].append(found)
       summaries[variant] = run.rollouts.engine.summarize(responses)
