@@ -30,7 +30,7 @@ from flax import struct
 
 from specroll_jax.speculative.context_drafter import Layer
 from specroll_jax.speculative.drafter import DrafterParams
-from specroll_jax.speculative.drafter_proposer import DrafterProposer
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, take_slots
 from specroll_jax.speculative.head_proposer import DepthStats, HeadGuesses
 from specroll_jax.speculative.proposer import Feedback, Proposal, StepContext
 
@@ -76,14 +76,14 @@ class ContextDrafterProposer(DrafterProposer):
 
     def advance(depth, slots, tokens, z):
       positions = jnp.broadcast_to(n + depth - 1, tokens.shape)
-      inputs = layer.entry(z[:, slots], context.vocab.embed(tokens))
+      inputs = layer.entry(take_slots(z, slots), context.vocab.embed(tokens))
       k, v = layer.keys_values(inputs, positions)
-      chain[0] = jnp.concatenate([chain[0][:, slots], k[:, :, None]], axis=2)
-      chain[1] = jnp.concatenate([chain[1][:, slots], v[:, :, None]], axis=2)
+      chain[0] = jnp.concatenate([take_slots(chain[0], slots), k[:, :, None]], axis=2)
+      chain[1] = jnp.concatenate([take_slots(chain[1], slots), v[:, :, None]], axis=2)
       return layer.attend(inputs, positions, state.keys, state.values, visible, *chain)
 
-    candidates, guesses = self.candidates(
-        self._laws(params, context, levels, first, advance), context)
+    laws, chosen = self._laws(params, context, levels, first, advance)
+    candidates, guesses = self.candidates(laws, chosen, context)
     return Proposal(candidates=candidates,
                     record=ContextRecord(guesses, root_key[:, 0], root_value[:, 0]))
 

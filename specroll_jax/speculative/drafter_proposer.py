@@ -88,12 +88,21 @@ class TreeLayout:
                             for level in expanded))
 
 
+def take_slots(x, slots):
+  """x [B, S, ...] gathered at per-row slots [B, E] -> [B, E, ...]."""
+  return x[jnp.arange(x.shape[0])[:, None], slots]
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterProposer(Proposer):
   model_config: ModelConfig
   config: DrafterConfig
   paths: tuple  # the tree's rank paths (spine_paths for the spine)
   sampler: sampling.SamplerConfig
+  # Per depth d < depth: how many of depth d's candidates each row expands, those of the
+  # highest path probability under the drafter (EAGLE-2's dynamic tree; `paths` must then be
+  # a spine, whose depth-d width is each expanded candidate's children). (): static `paths`.
+  expanded: tuple = ()
 
   def __post_init__(self):
     layout = TreeLayout.build(self.paths)
@@ -101,10 +110,27 @@ class DrafterProposer(Proposer):
     if int(layout.depth.max()) > self.config.depth:
       raise ValueError(f'tree depth {int(layout.depth.max())} exceeds the drafter\'s trained '
                        f'depth {self.config.depth}')
+    if self.expanded:
+      widths = tuple(int(k) for k in layout.top_k)
+      if layout.paths != spine_paths(widths):
+        raise ValueError(f'a best-first drafter tree grows from a spine; paths {layout.paths} '
+                         f'are not spine_paths({widths})')
+      counts = self.level_counts
+      if len(self.expanded) != len(widths) - 1 or any(
+          not 1 <= e <= n for e, n in zip(self.expanded, counts)):
+        raise ValueError(f'expanded={self.expanded}: one count per depth above the deepest '
+                         f'({len(widths) - 1}), each between 1 and that depth\'s candidates '
+                         f'{counts[:-1]}')
 
   @cached_property
   def layout(self) -> TreeLayout:
     return TreeLayout.build(self.paths)
+
+  @property
+  def level_counts(self) -> tuple:
+    """Candidates per depth of a best-first tree: depth d's expanded nodes x their children."""
+    widths = tuple(int(k) for k in self.layout.top_k)
+    return tuple(k * (self.expanded[d - 1] if d else 1) for d, k in enumerate(widths))
 
   @property
   def depth(self) -> int:
@@ -112,23 +138,42 @@ class DrafterProposer(Proposer):
 
   @property
   def num_candidates(self) -> int:
-    return len(self.paths)
+    return sum(self.level_counts) if self.expanded else len(self.paths)
 
   def init(self, prompt_tokens, seqs) -> DepthStats:
     del prompt_tokens
     return DepthStats.zeros(seqs.done.shape[0], self.depth, int(self.layout.top_k.max()))
 
+  def _expand(self, d: int, law, path):
+    """Depth d + 1's expanded candidates, from depth d + 1's laws (ids, probs [B, E_d, k])
+    and their parents' path probabilities [B, E_d]: (the slots [B, E] of their parents,
+    their tokens [B, E], their path probabilities [B, E], and, in a best-first tree, their
+    indices [B, E] among depth d + 1's candidates, the laws flattened)."""
+    ids, p = law
+    batch = ids.shape[0]
+    if not self.expanded:
+      layout = self.layout
+      slots = layout.expanded_slot[d]
+      tokens = ids[:, slots, layout.rank[np.asarray(layout.expanded[d])]]
+      return jnp.broadcast_to(jnp.asarray(slots, jnp.int32), tokens.shape), tokens, path, None
+    path, flat = jax.lax.top_k((path[:, :, None] * p).reshape(batch, -1), self.expanded[d])
+    tokens = jnp.take_along_axis(ids.reshape(batch, -1), flat, axis=1)
+    return flat // p.shape[-1], tokens, path, flat
+
   def _laws(self, params: DrafterParams, context: StepContext, levels: int, first, advance):
     """Per depth d <= levels, the top tokens and probabilities of the laws of depth d - 1's
-    expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs).
+    expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs), best
+    expanded candidate first; and per depth d < levels, the indices [B, E_d] of depth d's
+    expanded candidates among its candidates (laws flattened).
 
     first() -> the root's state [B, 1, D]; advance(depth, parent_slots, tokens, z) -> the
     states [B, E, D] of depth's expanded candidates `tokens` [B, E], whose parents sit at
-    `parent_slots` (static [E]) of the previous depth's states `z`.
+    `parent_slots` [B, E] of the previous depth's states `z`.
     """
     layout, draft_rows = self.layout, context.vocab.rows(params.vocab_ids)  # [V_d, D]
     z = first()
-    laws, depths = [], min(levels, self.depth)
+    path = jnp.ones(z.shape[:2], jnp.float32)
+    laws, chosen, depths = [], [], min(levels, self.depth)
     for d in range(depths):
       k = int(layout.top_k[d])
       p, index = jax.lax.top_k(sampling.distribution(z @ draft_rows.T, self.sampler), k)
@@ -136,41 +181,77 @@ class DrafterProposer(Proposer):
       if d + 1 == depths:
         break
       # Prefix-closed paths: every depth above the deepest has candidates with children.
-      level = np.asarray(layout.expanded[d])
-      tokens = laws[d][0][:, layout.expanded_slot[d], layout.rank[level]]  # [B, E_d]
-      z = advance(d + 2, layout.expanded_slot[d], tokens, z)
-    return laws
+      slots, tokens, path, flat = self._expand(d, laws[d], path)
+      chosen.append(flat)
+      z = advance(d + 2, slots, tokens, z)
+    return laws, chosen
 
   def propose(self, params: DrafterParams, state: DepthStats, context: StepContext,
               levels: int) -> Proposal:
     del state
     step = lambda z, tokens: drafter_step(self.config, self.model_config, params.weights, z,
                                           context.vocab.embed(tokens))
-    laws = self._laws(params, context, levels,
-                      first=lambda: step(context.hidden, context.root)[:, None],
-                      advance=lambda depth, slots, tokens, z: step(z[:, slots], tokens))
-    candidates, guesses = self.candidates(laws, context)
+    laws, chosen = self._laws(
+        params, context, levels, first=lambda: step(context.hidden, context.root)[:, None],
+        advance=lambda depth, slots, tokens, z: step(take_slots(z, slots), tokens))
+    candidates, guesses = self.candidates(laws, chosen, context)
     return Proposal(candidates=candidates, record=guesses)
 
-  def candidates(self, laws, context: StepContext) -> tuple:
-    """(Candidates of the layout's paths, HeadGuesses along the first expanded candidates)
-    from each depth's laws (as `_laws` returns them)."""
-    layout, batch = self.layout, context.root.shape[0]
-    tokens = jnp.zeros((batch, self.num_candidates), jnp.int32)
-    scores = jnp.zeros((batch, self.num_candidates), jnp.float32)
-    top_k = int(layout.top_k.max())
+  def candidates(self, laws, chosen, context: StepContext) -> tuple:
+    """(Candidates, HeadGuesses along the first expanded candidates) from each depth's laws
+    and expanded candidates (as `_laws` returns them)."""
+    batch = context.root.shape[0]
+    tokens, scores, row_parents = self._static_candidates(laws, batch) if not self.expanded \
+        else self._best_first_candidates(laws, chosen, batch)
+    top_k = int(self.layout.top_k.max())
     first_tokens, first_probs = [], []
-    for d, (ids, p) in enumerate(laws, start=1):
-      at = np.flatnonzero(layout.depth == d)
-      tokens = tokens.at[:, at].set(ids[:, layout.slot[at], layout.rank[at]])
-      scores = scores.at[:, at].set(p[:, layout.slot[at], layout.rank[at]])
+    for ids, p in laws:
       pad = ((0, 0), (0, top_k - ids.shape[-1]))
       first_tokens.append(jnp.pad(ids[:, 0], pad))
       first_probs.append(jnp.pad(p[:, 0], pad))
     rows = lambda x: jnp.pad(jnp.stack(x, axis=1), ((0, 0), (0, self.depth - len(laws)), (0, 0)))
     proposed = ~context.seqs.done[:, None] & (jnp.arange(self.depth) < len(laws))[None, :]
     guesses = HeadGuesses(tokens=rows(first_tokens), probs=rows(first_probs), proposed=proposed)
-    return Candidates(tokens=tokens, scores=scores, parent=self.layout.parent), guesses
+    return Candidates(tokens=tokens, scores=scores, parent=self.template_parents,
+                      row_parents=row_parents), guesses
+
+  @cached_property
+  def template_parents(self) -> tuple:
+    """Static parents: the rank paths', or in a best-first tree each candidate's parent slot
+    read as that depth's candidate of the same index (a row's parents are its own)."""
+    if not self.expanded:
+      return self.layout.parent
+    counts, widths = self.level_counts, self.layout.top_k
+    offsets = np.cumsum((0,) + counts)
+    return tuple(-1 if d == 0 else int(offsets[d - 1] + c // widths[d])
+                 for d, n in enumerate(counts) for c in range(n))
+
+  def _static_candidates(self, laws, batch: int):
+    layout = self.layout
+    tokens = jnp.zeros((batch, self.num_candidates), jnp.int32)
+    scores = jnp.zeros((batch, self.num_candidates), jnp.float32)
+    for d, (ids, p) in enumerate(laws, start=1):
+      at = np.flatnonzero(layout.depth == d)
+      tokens = tokens.at[:, at].set(ids[:, layout.slot[at], layout.rank[at]])
+      scores = scores.at[:, at].set(p[:, layout.slot[at], layout.rank[at]])
+    return tokens, scores, None
+
+  def _best_first_candidates(self, laws, chosen, batch: int):
+    """Depth d's candidates are its laws flattened (expanded slot, rank); each row's parent
+    of one is the candidate its slot expanded at depth d - 1. Depths below this step's
+    levels keep score 0 and their template parents."""
+    offsets = np.cumsum((0,) + self.level_counts)
+    tokens = [ids.reshape(batch, -1) for ids, _ in laws]
+    scores = [p.reshape(batch, -1) for _, p in laws]
+    parents = [jnp.full((batch, self.level_counts[0]), -1, jnp.int32)]
+    for d, flat in enumerate(chosen, start=1):
+      parents.append(jnp.repeat(flat + int(offsets[d - 1]), int(self.layout.top_k[d]), axis=1))
+    missing = self.num_candidates - int(offsets[len(laws)])
+    template = jnp.asarray(self.template_parents[int(offsets[len(laws)]):], jnp.int32)
+    pad = lambda parts, fill, dtype: jnp.concatenate(
+        parts + [jnp.broadcast_to(jnp.asarray(fill, dtype), (batch, missing))], axis=1)
+    return (pad(tokens, 0, jnp.int32), pad(scores, 0.0, jnp.float32),
+            pad(parents, template, jnp.int32))
 
   def observe(self, params, state: DepthStats, context, proposal: Proposal,
               feedback: Feedback) -> DepthStats:

@@ -38,7 +38,6 @@ from flax import struct
 
 from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, Proposer, StepContext
-from specroll_jax.speculative.tree import static_paths
 
 # Corpus padding and separators: never equal to a token, so no match runs across them.
 _GAP = -1
@@ -230,23 +229,16 @@ def match_chains(config: GroupDraftConfig, corpus, tail):
 
 def best_path_value(base: Candidates) -> jax.Array:
   """float32 [B, C]: the expected accepted tokens along the best path from each candidate
-  down (its path score plus its best child's value, recursively)."""
-  ancestors, depth = static_paths(base.parent)
-  edge = jnp.clip(base.scores, 0.0, 1.0)
-  path = jnp.ones_like(edge)
-  for d in range(ancestors.shape[1]):
-    column = ancestors[:, d]
-    path = path * jnp.where(column >= 0, edge[:, np.maximum(column, 0)], 1.0)
-  children = [[] for _ in base.parent]
-  for c, p in enumerate(base.parent):
-    if p >= 0:
-      children[p].append(c)
-  widest = max(1, max(len(kids) for kids in children))
-  child_index = np.array([kids + [-1] * (widest - len(kids)) for kids in children], np.int32)
+  down (its path score plus its best child's value, recursively; parents per row)."""
+  path = base.along_paths(jnp.clip(base.scores, 0.0, 1.0), jnp.multiply, 1.0)
+  parents, depth = base.parents(), base.depths
+  rows = jnp.arange(path.shape[0])[:, None]
   best = path
-  for d in range(int(depth.max(initial=1)) - 1, 0, -1):  # deepest parents first
-    below = jnp.where(child_index[None] >= 0, best[:, np.maximum(child_index, 0)], 0.0)
-    best = jnp.where(jnp.asarray(depth == d)[None, :], path + jnp.max(below, axis=-1), best)
+  for d in range(int(depth.max(initial=1)), 1, -1):  # deepest children first
+    at = np.flatnonzero(depth == d)
+    below = jnp.zeros_like(best).at[rows, parents[:, at]].max(best[:, at])
+    above = np.flatnonzero(depth == d - 1)
+    best = best.at[:, above].set(path[:, above] + below[:, above])
   return best
 
 

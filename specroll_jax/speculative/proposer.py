@@ -16,7 +16,7 @@ proposer reads in its Feedback; the walk computes that top-M (a softmax and a to
 the vocabulary at every depth) only when some proposer asks for it.
 
 Candidates are edges (parent candidate, token, score) in a static order with parents
-first, so drafts from different sources (per-depth head candidates, chains from a suffix
+first (the parents may differ per row at a static depth), so drafts from different sources (per-depth head candidates, chains from a suffix
 match, the oracle's true future) can be concatenated and share one node budget in the tree
 builder. Exactness never depends on a proposer: it only decides what the verifier may accept.
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specroll_jax.model.config import ModelConfig
@@ -32,29 +33,70 @@ from specroll_jax.model.transformer import Transformer
 from specroll_jax.rollout.sequences import Sequences
 
 
+def static_depths(parent: tuple) -> np.ndarray:
+  """int32 [C]: each candidate's depth (1 below the root) from parents that come first."""
+  depth = np.zeros(len(parent), np.int32)
+  for c, p in enumerate(parent):
+    if p >= c:
+      raise ValueError(f'candidate {c} has parent {p}: parents must come first')
+    depth[c] = depth[p] + 1 if p >= 0 else 1
+  return depth
+
+
 @struct.dataclass
 class Candidates:
   """Draft edges for the tree builder; candidate c hangs below candidate parent[c].
 
-  The shape of the drafts (parent pointers) is static and shared by every row, as it is for
-  per-depth head candidates and for chains; what varies per row is each edge's token and
-  score (score 0: nothing to offer there). Static parents let the tree builder resolve
-  paths with static indexing instead of per-row gathers.
+  Every candidate sits at a static depth below a static parent, and for most proposers that
+  parent is the same in every row (per-depth head candidates, chains, a drafter's rank
+  paths): what varies per row is each edge's token and score (score 0: nothing to offer
+  there). A proposer that chooses per row which nodes to expand (a drafter's best-first
+  expansion, EAGLE-2's dynamic trees) gives `row_parents` too: each row's parent of c is a
+  candidate of the same depth as parent[c], before c.
   """
   tokens: jax.Array  # int32 [B, C]
   scores: jax.Array  # float32 [B, C] estimated probability that the verifier accepts the edge
   parent: tuple = struct.field(pytree_node=False)  # [C] parent candidate (< c); -1 = root
+  row_parents: jax.Array | None = None  # int32 [B, C] per-row parents; None: `parent`
 
   @property
   def size(self) -> int:
     return len(self.parent)
 
+  @property
+  def depths(self) -> np.ndarray:
+    return static_depths(self.parent)
+
+  def parents(self) -> jax.Array:
+    """int32 [B, C]: each row's parent of each candidate (-1: the root)."""
+    if self.row_parents is not None:
+      return self.row_parents
+    return jnp.broadcast_to(jnp.asarray(self.parent, jnp.int32), self.tokens.shape)
+
+  def along_paths(self, values, combine, start) -> jax.Array:
+    """[B, C]: combine(...combine(combine(start, v_1), v_2)..., v_c) over the values of each
+    candidate's path from depth 1 down to itself, in that order in every row (so equal
+    values along equal paths give equal bits)."""
+    parents, depths = self.parents(), self.depths
+    total = jnp.zeros_like(values)
+    for d in range(1, int(depths.max(initial=0)) + 1):
+      at = np.flatnonzero(depths == d)
+      above = (jnp.full_like(values[:, at], start) if d == 1
+               else jnp.take_along_axis(total, parents[:, at], axis=1))
+      total = total.at[:, at].set(combine(above, values[:, at]))
+    return total
+
   def concat(self, other: 'Candidates') -> 'Candidates':
     """self's candidates, then other's (their parents shifted past self's)."""
     shifted = tuple(p + self.size if p >= 0 else -1 for p in other.parent)
+    row_parents = None
+    if self.row_parents is not None or other.row_parents is not None:
+      theirs = other.parents()
+      row_parents = jnp.concatenate(
+          [self.parents(), jnp.where(theirs >= 0, theirs + self.size, -1)], axis=1)
     return Candidates(tokens=jnp.concatenate([self.tokens, other.tokens], axis=1),
                       scores=jnp.concatenate([self.scores, other.scores], axis=1),
-                      parent=self.parent + shifted)
+                      parent=self.parent + shifted, row_parents=row_parents)
 
 
 @struct.dataclass

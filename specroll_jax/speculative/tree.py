@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from specroll_jax.rollout.buckets import pow2_at_least
@@ -98,31 +97,13 @@ class Tree:
     return mask
 
 
-def static_paths(parent: tuple):
-  """(ancestors [C, D] from depth 1 down to the candidate itself, -1 padded; depth [C])."""
-  chains = []
-  for c in range(len(parent)):
-    if parent[c] >= c:
-      raise ValueError(f'candidate {c} has parent {parent[c]}: parents must come first')
-    chains.append((chains[parent[c]] if parent[c] >= 0 else []) + [c])
-  depth = np.array([len(chain) for chain in chains], np.int32)
-  ancestors = np.full((len(parent), max(depth, default=1)), -1, np.int32)
-  for c, chain in enumerate(chains):
-    ancestors[c, :len(chain)] = chain
-  return ancestors, depth
-
-
 def _order_keys(candidates: Candidates):
   """(path log-score minus a depth tie-break, depth [C]) per candidate: a child always ranks
   strictly below its parent, because its log-score is its parent's plus a term <= 0.
   Terms are added from depth 1 down, so equal edges give bit-equal path scores."""
   edge = jnp.log(jnp.clip(candidates.scores, 1e-30, 1.0))
-  ancestors, depth = static_paths(candidates.parent)
-  total = jnp.zeros_like(edge)
-  for d in range(ancestors.shape[1]):
-    column = ancestors[:, d]
-    total = total + jnp.where(column >= 0, edge[:, np.maximum(column, 0)], 0.0)
-  return total - _DEPTH_TIE_BREAK * depth, depth
+  depth = candidates.depths
+  return candidates.along_paths(edge, jnp.add, 0.0) - _DEPTH_TIE_BREAK * depth, depth
 
 
 def build_tree(root_tokens, candidates: Candidates, budget, width: int, max_depth: int) -> Tree:
@@ -130,7 +111,8 @@ def build_tree(root_tokens, candidates: Candidates, budget, width: int, max_dept
 
   Args:
     root_tokens: int32 [B], the drawn token at the root.
-    candidates: the proposer's edges, parents first, at most `max_depth` deep.
+    candidates: the proposer's edges, parents first, at most `max_depth` deep (their parents
+      may differ per row: the tree's parents are per row either way).
     budget: int32 [B], nodes allowed per row (root included), <= width.
   """
   batch = root_tokens.shape[0]
@@ -141,7 +123,7 @@ def build_tree(root_tokens, candidates: Candidates, budget, width: int, max_dept
   rows = jnp.arange(batch)[:, None]
   node_of_candidate = jnp.zeros((batch, candidates.size), jnp.int32).at[rows, chosen].set(
       jnp.arange(1, width, dtype=jnp.int32))
-  parent_candidate = jnp.asarray(candidates.parent, jnp.int32)[chosen]
+  parent_candidate = candidates.parents()[rows, chosen]
   parent = jnp.where(parent_candidate < 0, 0,
                      node_of_candidate[rows, jnp.maximum(parent_candidate, 0)])
   zero = jnp.zeros((batch, 1), jnp.int32)

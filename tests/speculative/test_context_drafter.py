@@ -85,12 +85,27 @@ def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_pol
   candidates = proposer.propose(params, state, context, depth).candidates
   # The path the spine drafts: the root, then each depth's best guess.
   guesses = [int(candidates.tokens[0, PATHS.index((0,) * d)]) for d in range(1, depth)]
-  path_tokens = jnp.asarray([span[:n + 2] + guesses], jnp.int32)
-  embedded = Vocabulary(policy.params, policy.config).embed(path_tokens)
-  padded = jnp.concatenate([hidden[:n + 1], jnp.zeros((depth, hidden.shape[1]))])[None]
-  states = CONFIG.teacher_forced_states(policy.config, params.weights, padded, embedded,
-                                        jnp.ones(path_tokens.shape, bool))
   rows = Vocabulary(policy.params, policy.config).rows(params.vocab_ids)
+  padded = jnp.concatenate([hidden[:n + 1], jnp.zeros((depth, hidden.shape[1]))])[None]
+
+  def teacher_forced(drafted):
+    """Training's states along the root and `drafted` tokens below it."""
+    path_tokens = jnp.asarray([span[:n + 2] + drafted], jnp.int32)
+    embedded = Vocabulary(policy.params, policy.config).embed(path_tokens)
+    return CONFIG.teacher_forced_states(policy.config, params.weights, padded, embedded,
+                                        jnp.ones(path_tokens.shape, bool))
+
+  states = teacher_forced(guesses)
+  # A best-first tree (the two most probable paths expanded per depth) drafts each depth-3
+  # candidate from its own path's chain: training's law along that path.
+  best_first = ContextDrafterProposer(policy.config, CONFIG, PATHS, proposer.sampler,
+                                      expanded=(2, 2))
+  grown = best_first.propose(params, state, context, depth).candidates
+  parents = np.asarray(grown.parents()[0])
+  for c in range(9, 11):
+    drafted = [int(grown.tokens[0, parents[parents[c]]]), int(grown.tokens[0, parents[c]])]
+    law = sampling.distribution(teacher_forced(drafted)[-1][0, n] @ rows.T, proposer.sampler)
+    assert int(grown.tokens[0, c]) == int(params.vocab_ids[jnp.argmax(law)])
   for d, z in enumerate(states, start=1):
     law = sampling.distribution(z[0, n] @ rows.T, proposer.sampler)
     probs, index = jax.lax.top_k(law, 3 if d < depth else 1)
@@ -105,15 +120,17 @@ def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_pol
                                rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize('sampler,capacity', [(SamplerConfig(temperature=0.0), 16),
-                                              (SamplerConfig(temperature=1.0), 64)],
-                         ids=['greedy', 'T=1'])
-def test_speculative_with_the_context_drafter_equals_vanilla(stories_policy, sampler, capacity):
+@pytest.mark.parametrize('sampler,capacity,expanded', [
+    (SamplerConfig(temperature=0.0), 16, ()), (SamplerConfig(temperature=1.0), 64, ()),
+    (SamplerConfig(temperature=1.0), 64, (2, 2))], ids=['greedy', 'T=1', 'T=1-best-first'])
+def test_speculative_with_the_context_drafter_equals_vanilla(stories_policy, sampler, capacity,
+                                                            expanded):
   """A layer of noise over half the vocabulary (it proposes, it is rarely right) in rows
-  that finish at different lengths: tokens and log-probs are vanilla's."""
+  that finish at different lengths, on a static tree or one grown best-first per row:
+  tokens and log-probs are vanilla's."""
   policy = stories_policy
-  proposer = ContextDrafterProposer(policy.config, CONFIG,
-                                    spine_paths((4, 2, 2)) + ((1, 0), (1, 1)), sampler)
+  paths = spine_paths((4, 2, 2)) + (() if expanded else ((1, 0), (1, 1)))
+  proposer = ContextDrafterProposer(policy.config, CONFIG, paths, sampler, expanded=expanded)
   engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=capacity,
                                                           max_nodes=16), sampler, (2,))
   config = RolloutConfig(max_new_tokens=40, max_batch=8)

@@ -184,3 +184,54 @@ def test_saved_drafter_loads_and_bad_files_are_named(stories_policy, tmp_path):
   (tmp_path / 'w' / DRAFTER_FILE).write_bytes(b'truncated')
   with pytest.raises(ValueError, match='not a readable safetensors'):
     load_drafter(tmp_path / 'w', policy.config)
+
+
+def test_best_first_tree_expands_each_row_most_probable_paths(stories_policy):
+  """expanded=(2, 2): each row expands the two depth-1 and the two depth-2 candidates of
+  highest path probability under the drafter, drafted from their own states; expanding one
+  per depth is the spine, bit for bit."""
+  policy = stories_policy
+  vocab_ids, params = _perturbed_drafter(policy)
+  sampler = SamplerConfig(temperature=1.0)
+  proposer = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 2)), sampler,
+                             expanded=(2, 2))
+  assert proposer.level_counts == (3, 4, 4) and proposer.num_candidates == 11
+  assert proposer.template_parents == (-1, -1, -1, 0, 0, 1, 1, 3, 3, 4, 4)
+  batch = 2
+  hidden, seqs, vocab, context = _step_context(policy, batch)
+  candidates = proposer.propose(params, proposer.init(None, seqs), context, levels=3).candidates
+  tokens, scores = np.asarray(candidates.tokens), np.asarray(candidates.scores)
+  parents = np.asarray(candidates.parents())
+  rows = vocab.rows(jnp.asarray(vocab_ids))
+  law = lambda z: np.asarray(jax.nn.softmax(z @ rows.T, axis=-1))
+  step = lambda z, token: drafter_step(CONFIG, policy.config, params.weights, z[None],
+                                       vocab.embed(jnp.asarray([token])))[0]
+  for b in range(batch):
+    z1 = step(hidden[b], int(context.root[b]))
+    order = np.argsort(-law(z1), kind='stable')[:3]
+    np.testing.assert_array_equal(tokens[b, :3], vocab_ids[order])
+    path = {c: scores[b, c] for c in range(3)}
+    state = {c: step(z1, tokens[b, c]) for c in range(2)}  # the two best depth-1 paths
+    for c in range(3, 7):
+      parent = parents[b, c]
+      assert parent == (c - 3) // 2  # depth 1 is ranked already: slot s expands rank s
+      probs = law(state[parent])
+      np.testing.assert_array_equal(tokens[b, c], vocab_ids[np.argsort(-probs)[(c - 3) % 2]])
+      path[c] = path[parent] * scores[b, c]
+    best = sorted(range(3, 7), key=lambda c: -path[c])[:2]
+    assert parents[b, 7:].tolist() == [best[0]] * 2 + [best[1]] * 2
+    for c in range(7, 11):
+      z = step(state[parents[b, parents[b, c]]], tokens[b, parents[b, c]])
+      np.testing.assert_array_equal(
+          tokens[b, c], vocab_ids[np.argsort(-law(z))[(c - 7) % 2]])
+  spine = DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 2)), sampler)
+  one_each = dataclasses.replace(spine, expanded=(1, 1))
+  for levels in (2, 3):
+    a, b = (p.propose(params, p.init(None, seqs), context, levels).candidates
+            for p in (spine, one_each))
+    for x, y in ((a.tokens, b.tokens), (a.scores, b.scores), (a.parents(), b.parents())):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match='grows from a spine'):
+    DrafterProposer(policy.config, CONFIG, ((0,), (1,), (1, 0)), sampler, expanded=(1,))
+  with pytest.raises(ValueError, match='one count per depth'):
+    DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 2)), sampler, expanded=(4, 1))

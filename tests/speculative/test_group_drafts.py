@@ -9,10 +9,11 @@ import pytest
 from specroll_jax.rollout.driver import take_rows
 from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.speculative.group_proposer import (GroupBuffer, GroupDraftConfig, GroupProposer,
-                                              GroupRecord, GroupStats, match_chains, merge,
-                                              refresh, row_tail, sibling_ids)
+                                              GroupRecord, GroupStats, best_path_value,
+                                              match_chains, merge, refresh, row_tail,
+                                              sibling_ids)
 from specroll_jax.speculative.proposer import Candidates, Feedback, Proposal, StepContext
-from specroll_jax.speculative.tree import build_tree, static_paths
+from specroll_jax.speculative.tree import build_tree
 
 GAP = -1
 
@@ -121,9 +122,20 @@ def test_a_sibling_in_padding_rows_with_the_same_id_is_read_from_its_real_row():
   np.testing.assert_array_equal(buffer.sibling_tokens[0, 0], [1, 2])
 
 
+def _ancestors(parent):
+  """(ancestors [C, D] from depth 1 down to each candidate itself, -1 padded; depth [C])."""
+  chains = []
+  for c, p in enumerate(parent):
+    chains.append((chains[p] if p >= 0 else []) + [c])
+  ancestors = np.full((len(parent), max(map(len, chains))), -1)
+  for c, chain in enumerate(chains):
+    ancestors[c, :len(chain)] = chain
+  return ancestors, np.array([len(chain) for chain in chains])
+
+
 def _best_path(tokens, scores, parent, c):
   """Brute force: the best sum of path scores along any path down from candidate c."""
-  ancestors, depth = static_paths(parent)
+  ancestors, depth = _ancestors(parent)
   path = lambda k: float(np.prod(scores[ancestors[k, :depth[k]]]))
   below = [k for k in range(len(parent)) if c in ancestors[k, :depth[k]]]
   leaves = [k for k in below if not any(parent[j] == k for j in range(len(parent)))]
@@ -167,7 +179,7 @@ def test_merged_tree_keeps_the_more_valuable_duplicate_and_is_optimal(seed):
                           parent=(-1, 0, 1, -1, 3, 4)).concat(
                               base.replace(scores=jnp.asarray(merged_base)[None]))
   # The tree builder's choice against brute force over the merged candidates' live paths.
-  ancestors, depth = static_paths(candidates.parent)
+  ancestors, depth = _ancestors(candidates.parent)
   tokens, scores = np.asarray(candidates.tokens[0]), np.asarray(candidates.scores[0])
   value = {}
   for c in range(candidates.size):
@@ -224,3 +236,19 @@ def test_observe_counts_reached_chain_nodes_and_accepted_tokens():
   np.testing.assert_allclose(stats.accepted, [2.0])
   np.testing.assert_allclose(stats.matched, [1.0])
   np.testing.assert_allclose(stats.chain_tokens, [5.0])
+
+
+def test_best_path_value_follows_each_row_parents():
+  """A best-first drafter's candidates hang below different parents per row; the value that
+  settles a duplicate root is each row's own."""
+  rng = np.random.default_rng(0)
+  row_parents = np.array([[-1, -1, 0, 0, 2, 2], [-1, -1, 1, 1, 3, 3]])
+  scores = rng.uniform(0.05, 1.0, size=(2, 6)).astype(np.float32)
+  tokens = np.arange(12, dtype=np.int32).reshape(2, 6)
+  value = np.asarray(best_path_value(Candidates(
+      tokens=jnp.asarray(tokens), scores=jnp.asarray(scores), parent=(-1, -1, 0, 0, 2, 2),
+      row_parents=jnp.asarray(row_parents, jnp.int32))))
+  for row in range(2):
+    for c in range(6):
+      expected = _best_path(tokens[row], scores[row], tuple(row_parents[row]), c)
+      assert value[row, c] == pytest.approx(expected, rel=1e-6), (row, c)

@@ -212,21 +212,22 @@ def test_sampling_identical_with_the_same_seed(stories_policy, sampler, heads_ki
 
 
 # Budgets the drafter's spine fills (16 nodes at 1 row) or overflows (4 at 8 rows and 16).
-@pytest.mark.parametrize('sampler,capacity', [(SamplerConfig(temperature=0.0), 16),
-                                              (SamplerConfig(temperature=1.0), 64)],
-                         ids=['greedy', 'T=1'])
-def test_sequential_drafter_identical(stories_policy, sampler, capacity):
+@pytest.mark.parametrize('sampler,capacity,expanded', [
+    (SamplerConfig(temperature=0.0), 16, ()), (SamplerConfig(temperature=1.0), 64, ()),
+    (SamplerConfig(temperature=1.0), 64, (2, 2))], ids=['greedy', 'T=1', 'T=1-best-first'])
+def test_sequential_drafter_identical(stories_policy, sampler, capacity, expanded):
   """The drafter alone (static) or under group drafts (group_adaptive), over half the
-  vocabulary with a block whose output is noise: it proposes, it is rarely right. Its tree
-  leaves the spine below depth 1's second guess, so a depth expands two candidates."""
+  vocabulary with a block whose output is noise: it proposes, it is rarely right. Its static
+  tree leaves the spine below depth 1's second guess, so a depth expands two candidates; its
+  best-first tree expands each row's two most probable paths per depth (parents per row)."""
   policy = stories_policy
   drafter = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=256)
   params = init_drafter(drafter, policy.config, np.arange(0, policy.config.vocab_size, 2), 1)
   down = params.weights['down']['kernel']
   params = params.replace(weights=dict(params.weights, down={
       'kernel': jax.random.normal(jax.random.key(3), down.shape) * 0.3}))
-  proposer = DrafterProposer(policy.config, drafter,
-                             spine_paths((4, 2, 2)) + ((1, 0), (1, 1), (1, 0, 0)), sampler)
+  paths = spine_paths((4, 2, 2)) + (() if expanded else ((1, 0), (1, 1), (1, 0, 0)))
+  proposer = DrafterProposer(policy.config, drafter, paths, sampler, expanded=expanded)
   if ADAPTIVE:
     proposer = GroupProposer(GROUP, base=proposer)
   engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=capacity,

@@ -109,3 +109,29 @@ def test_a_chain_merged_with_head_candidates_shares_the_budget():
   assert np.asarray(tree.parents[0]).tolist() == [0, 0, 1, 2, 0]
   assert np.asarray(tree.depths[0]).tolist() == [0, 1, 2, 3, 1]
   assert np.asarray(tree.candidate[0]).tolist() == [-1, 0, 1, 2, 3]
+
+
+def test_per_row_parents_shape_each_row_tree():
+  """Candidates 2 and 3 hang below candidate 0 in row 0 and below candidate 1 in row 1 (a
+  best-first drafter's expansion): each row's tree follows its own parents, and the path
+  scores that choose its nodes are its own."""
+  candidates = Candidates(tokens=jnp.array([[11, 12, 21, 22], [11, 12, 21, 22]]),
+                          scores=jnp.array([[0.6, 0.4, 0.9, 0.1], [0.5, 0.45, 0.9, 0.8]]),
+                          parent=(-1, -1, 0, 0),
+                          row_parents=jnp.array([[-1, -1, 0, 0], [-1, -1, 1, 1]]))
+  tree = build_tree(jnp.array([1, 2]), candidates, jnp.array([4, 4]), 4, max_depth=2)
+  # Row 0: 0.6, 0.54 (below 11), 0.4. Row 1: 0.5, 0.45, then 0.405 and 0.36 below 12.
+  assert np.asarray(tree.tokens).tolist() == [[1, 11, 21, 12], [2, 11, 12, 21]]
+  assert np.asarray(tree.parents).tolist() == [[0, 0, 1, 0], [0, 0, 0, 2]]
+  assert np.asarray(tree.depths).tolist() == [[0, 1, 2, 1], [0, 1, 1, 2]]
+  mask = np.asarray(tree.ancestor_mask(2))
+  assert set(np.flatnonzero(mask[0, 2])) == {0, 1, 2}
+  assert set(np.flatnonzero(mask[1, 3])) == {0, 2, 3}
+  # Parents given per row that equal the static ones choose bit for bit the same trees.
+  same = candidates.replace(row_parents=None)
+  rowwise = same.replace(row_parents=same.parents())
+  for budget in (2, 3, 4):
+    a, b = (build_tree(jnp.array([1, 2]), c, jnp.array([budget, budget]), 4, max_depth=2)
+            for c in (same, rowwise))
+    for field in ('tokens', 'parents', 'depths', 'valid', 'candidate'):
+      np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)))
