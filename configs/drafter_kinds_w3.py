@@ -1,6 +1,8 @@
-"""The sequential against the context-attending drafter on W3, trained on the same generations.
+"""The sequential against the context-attending drafter on W3, trained on the same generations,
+and the sequential drafter reading layer features against it.
 
   python -m experiments.measure.drafter_kinds --config=configs/drafter_kinds_w3.py
+  python -m experiments.measure.drafter_features --config=configs/drafter_kinds_w3.py
 
 Both kinds are trained on one set of the policy's own T = 1 answers to GSM8K *train*
 questions with the same steps, batches, learning rate, draft vocabulary and seed, and
@@ -25,5 +27,14 @@ def get_config():
   c.context_heads = 4               # the context drafter's attention heads (of 64 dims)
   c.kinds_dir = 'workdir/drafter_kinds_w3'
   c.kind_cells = ((16, 1), (4, 16))  # (nodes per row, responses in flight), T = c.temperature
+  # Trees both kinds draft, by name: how many nodes per depth each row expands, best path
+  # first (() = the spine itself: each depth's top-k below the best guess).
+  c.kind_trees = ml_collections.ConfigDict(dict(spine=(), best_first=(2, 2, 2),
+                                                best_first_wide=(4, 4, 4)))
   c.out_dir = 'results/drafts_w3/drafter_kinds'
+  # experiments.measure.drafter_features: decoder layers (of SmolLM2's 30) fused with h_t at
+  # the sequential drafter's input, one trained variant per set (EAGLE-3: low and mid beside
+  # the final state).
+  c.feature_layer_sets = ((2, 15),)
+  c.features_out_dir = 'results/drafts_w3/drafter_features'
   return c

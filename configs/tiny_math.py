@@ -77,10 +77,12 @@ def get_config():
   # The drafters, when rollout.proposers names one ('drafter', 'context_drafter', with or
   # without ',group'): the block (model), its warm start on the initial policy's answers to
   # the first num_sequences + held_out task prompts (training), its spine's candidates per
-  # depth, and the context-attending drafter's attention heads.
+  # depth, the context-attending drafter's attention heads, and how many nodes per depth
+  # each row expands best path first (expanded, one count per depth above the deepest;
+  # () = the spine itself).
   c.drafter = ml_collections.ConfigDict(dict(
       model=section(DrafterConfig), training=section(DrafterTraining), branching=(4, 2, 2, 1),
-      num_sequences=512, held_out=64, context_heads=4))
+      num_sequences=512, held_out=64, context_heads=4, expanded=()))
   # Adaptation of the heads or the drafter (rl.run_config.ADAPTATION_MODES): slow = the
   # slow path alone. Reflex (mode=reflex|both; heads only) is off: on W1 its gates never open
   # and it costs generation time (notes/history.md, "Issue 15").

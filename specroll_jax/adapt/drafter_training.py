@@ -91,11 +91,13 @@ def depth_losses(config: DrafterConfig, model_config: ModelConfig, params: Draft
 
 
 def _feature_losses(states, batch: DistillPairs):
-  """Per depth, the smooth L1 distance of z_d to the policy's hidden state at t + d, summed
-  over scored positions [depth]."""
+  """Per depth, the smooth L1 distance of z_d to the policy's hidden state at t + d (the
+  final one, the first part of pairs with layer features), summed over scored positions
+  [depth]."""
   out = []
+  final = batch.hidden[..., :states[0].shape[-1]]
   for d, z in enumerate(states, start=1):
-    distance = jnp.mean(optax.huber_loss(z, shifted(batch.hidden, d).astype(jnp.float32)), -1)
+    distance = jnp.mean(optax.huber_loss(z, shifted(final, d).astype(jnp.float32)), -1)
     out.append(jnp.sum(jnp.where(_scored(batch, d), distance, 0.0)))
   return jnp.stack(out)
 

@@ -221,3 +221,19 @@ def padded_sequence_hidden(config: ModelConfig, params, tokens):
   positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
   hidden, _ = Transformer(config).apply({'params': params}, safe, positions, causal_mask(valid))
   return hidden, safe, valid
+
+
+def padded_sequence_features(config: ModelConfig, params, tokens, layers: tuple):
+  """[B, T, (1 + len(layers)) D]: the final hidden state, then the outputs of decoder
+  `layers` (0-based), of a full-sequence forward over right-padded rows (-1 = padding):
+  the pairs of a drafter that fuses layer features."""
+  batch, width = tokens.shape
+  valid = tokens >= 0
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  names = {f'layers_{i}' for i in layers}
+  (hidden, _), captured = Transformer(config).apply(
+      {'params': params}, jnp.where(valid, tokens, 0), positions, causal_mask(valid),
+      capture_intermediates=lambda module, method: method == '__call__' and module.name in names,
+      mutable=['intermediates'])
+  outputs = [captured['intermediates'][f'layers_{i}']['__call__'][0][0] for i in layers]
+  return jnp.concatenate([hidden] + [x.astype(hidden.dtype) for x in outputs], axis=-1)

@@ -11,6 +11,7 @@ drafter (speculative/drafter_proposer.py says why).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,7 +61,9 @@ class DrafterKind(LearnedProposerKind):
     return self.load(policy, directory)
 
   def proposer(self, policy: Policy, config: RunConfig, warm: WarmStarted):
-    return self.drafting(policy, warm, config.rollout.sampler, config.drafter.branching)
+    """The spine of drafter.branching, grown best-first per row where drafter.expanded asks."""
+    spine = self.drafting(policy, warm, config.rollout.sampler, config.drafter.branching)
+    return dataclasses.replace(spine, expanded=config.drafter.expanded)
 
   def is_saved(self, directory: Path) -> bool:
     return has_drafter(directory, self.config_type)

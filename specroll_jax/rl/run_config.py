@@ -25,6 +25,7 @@ from specroll_jax.rl.sections import build
 from specroll_jax.rollout.driver import RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import DrafterConfig
+from specroll_jax.speculative.drafter_proposer import best_first_counts
 from specroll_jax.speculative.factory import ENGINES
 from specroll_jax.speculative.gate import GateConfig
 from specroll_jax.speculative.group_proposer import GroupDraftConfig
@@ -127,17 +128,30 @@ class DrafterSection:
   num_sequences: int
   held_out: int
   context_heads: int  # the context-attending drafter's attention heads
+  # Per depth above the deepest, the nodes each row expands, best path first (a tree grown
+  # per row from the spine, EAGLE-2's dynamic tree); () = the spine itself.
+  expanded: tuple = ()
 
   def __post_init__(self):
-    # A static argument of the compiled proposer: hashable, whatever sequence the config held.
+    # Static arguments of the compiled proposer: hashable, whatever sequence the config held.
     object.__setattr__(self, 'branching', tuple(int(b) for b in self.branching))
+    object.__setattr__(self, 'expanded', tuple(int(e) for e in self.expanded))
 
   def check_branching(self) -> None:
-    """The spine fits the block (checked where the drafter drafts)."""
+    """The spine fits the block and the best-first expansion fits the spine (checked where
+    the drafter drafts)."""
     if (not self.branching or min(self.branching) < 1
         or len(self.branching) > self.model.depth):
       raise ValueError(f'config drafter.branching={self.branching}: one width >= 1 per depth, '
                        f'at most drafter.model.depth={self.model.depth} depths')
+    if self.model.feature_layers:
+      raise ValueError(f'config drafter.model.feature_layers={self.model.feature_layers}: '
+                       'rollouts hand proposers the final hidden state only')
+    if self.expanded:
+      try:
+        best_first_counts(self.branching, self.expanded)
+      except ValueError as error:
+        raise ValueError(f'config drafter.expanded: {error}') from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,10 @@ class ContextDrafterConfig(DrafterConfig):
     super().__post_init__()
     if self.num_heads < 1:
       raise ValueError(f'ContextDrafterConfig: num_heads >= 1 required, got {self}')
+    if self.feature_layers:
+      raise ValueError(f'ContextDrafterConfig: feature_layers={self.feature_layers}: the '
+                       'context drafter reads h_t alone (only the sequential drafter fuses '
+                       'layer features)')
 
   @classmethod
   def from_block(cls, block: DrafterConfig, num_heads: int) -> 'ContextDrafterConfig':

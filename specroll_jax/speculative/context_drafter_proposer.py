@@ -1,9 +1,10 @@
-"""The context-attending drafter as a proposer: the sequential drafter's rank-path trees, with
-a per-row cache of the drafter's own keys and values over the response so far.
+"""The context-attending drafter as a proposer: the sequential drafter's trees, with a per-row
+cache of the drafter's own keys and values over the response so far.
 
-Drafting is the sequential drafter's (drafter_proposer.py: a static tree of rank paths, one
-batched layer call per depth), with the layer of context_drafter.py: each depth's
-expanded candidates attend to the row's cache and to their own chain of ancestors' keys.
+Drafting is the sequential drafter's (drafter_proposer.py: a tree of rank paths, static or
+grown best-first per row, one batched layer call per depth), with the layer of
+context_drafter.py: each depth's expanded candidates attend to the row's cache and to their
+own chain of ancestors' keys (gathered per row, since a grown tree's parents are per row).
 
 The cache holds one entry per response position j < n (n = tokens generated so far), the
 keys and values of u_j = F(h_j, e(x_{j+1})); entry j sits at slot j, so a row's cache is as

@@ -8,6 +8,9 @@ same with larger blocks):
 
   z_0 = h_t,  z_d = f(z_{d-1}, e(y_d)),  q_d = S(W_v z_d)
 
+(or z_0 a fusion of h_t with earlier decoder layers' outputs, `feature_layers`: EAGLE-3's
+low/mid/high features, measured offline so far, experiments.measure.drafter_features)
+
 where y_1 is the root, y_{d+1} the drafter's own best guess at depth d, e the policy's input
 embedding and W_v the policy's vocabulary projection restricted to a draft vocabulary: the
 `draft_vocab_size` tokens most frequent as next tokens in the drafter's training text (a
@@ -36,6 +39,7 @@ from specroll_jax.speculative.pairs import shifted
 
 DRAFTER_FILE = 'drafter.safetensors'
 DRAFTER_CONFIG_FILE = 'drafter_config.json'
+FEATURES = 'features'  # the weights of z_0's feature fusion, when the drafter has one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +50,19 @@ class DrafterConfig:
   depth: int = 4                 # deepest level it drafts
   hidden_multiplier: float = 2.0  # inner width of the residual block, in units of D
   draft_vocab_size: int = 8192   # tokens it may draft (0: the whole vocabulary)
+  # Decoder layers (0-based) whose outputs z_0 fuses with h_t, as EAGLE-3 fuses low, mid and
+  # high features; its pairs' hidden then holds [h_t, those outputs] (padded_sequence_features).
+  # (): z_0 = h_t.
+  feature_layers: tuple = ()
   weights_file: ClassVar[str] = DRAFTER_FILE
   config_file: ClassVar[str] = DRAFTER_CONFIG_FILE
 
   def __post_init__(self):
-    if self.depth < 1 or self.hidden_multiplier <= 0 or self.draft_vocab_size < 0:
-      raise ValueError(f'{type(self).__name__}: depth >= 1, hidden_multiplier > 0 and '
-                       f'draft_vocab_size >= 0 required, got {self}')
+    object.__setattr__(self, 'feature_layers', tuple(int(i) for i in self.feature_layers))
+    if (self.depth < 1 or self.hidden_multiplier <= 0 or self.draft_vocab_size < 0
+        or min(self.feature_layers, default=0) < 0):
+      raise ValueError(f'{type(self).__name__}: depth >= 1, hidden_multiplier > 0, '
+                       f'draft_vocab_size >= 0 and feature_layers >= 0 required, got {self}')
 
   def vocab_size(self, model_config: ModelConfig) -> int:
     if self.draft_vocab_size == 0:
@@ -61,7 +71,18 @@ class DrafterConfig:
 
   def init_weights(self, model_config: ModelConfig, seed: int) -> dict:
     dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
-    return DrafterBlock(self, model_config).init(jax.random.key(seed), dummy, dummy)['params']
+    weights = DrafterBlock(self, model_config).init(jax.random.key(seed), dummy, dummy)['params']
+    if self.feature_layers:
+      features = jnp.zeros((1, (1 + len(self.feature_layers)) * model_config.hidden_size))
+      weights = {**weights, FEATURES: FeatureFusion(model_config).init(
+          jax.random.key(seed), features)['params']}
+    return weights
+
+  def first_state(self, model_config: ModelConfig, weights, hidden):
+    """z_0 [..., D] from the pairs' hidden: h_t, or h_t fused with the feature layers'."""
+    if not self.feature_layers:
+      return hidden.astype(jnp.float32)
+    return FeatureFusion(model_config).apply({'params': weights[FEATURES]}, hidden)
 
   def teacher_forced_states(self, model_config: ModelConfig, weights, hidden, embedded,
                             valid) -> list:
@@ -69,7 +90,7 @@ class DrafterConfig:
     drafts along an accepted path: z_d at t from h_t and e(x_{t+1}) .. e(x_{t+d}).
     `embedded` [B, T, D] holds e(x_t) at t; `valid` [B, T] is unused (no context)."""
     del valid
-    z, states = hidden.astype(jnp.float32), []
+    z, states = self.first_state(model_config, weights, hidden), []
     for d in range(1, self.depth + 1):
       z = drafter_step(self, model_config, weights, z, shifted(embedded, d))
       states.append(z)
@@ -84,6 +105,24 @@ class DrafterParams:
 
 def rms(x, eps):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class FeatureFusion(nn.Module):
+  """[h_t, layer outputs...] [..., (1 + L) D] -> z_0 [..., D]: each part RMS-normalised (the
+  residual stream's scale grows with depth) and scaled, then one projection, which starts
+  as h_t's normalised part alone, so training starts from the drafter that reads h_t."""
+  model_config: ModelConfig
+
+  @nn.compact
+  def __call__(self, features):
+    m = self.model_config
+    dim = m.hidden_size
+    parts = jnp.split(features.astype(jnp.float32), features.shape[-1] // dim, axis=-1)
+    scale = lambda i: self.param(f'norm_{i}', nn.initializers.ones, (dim,), jnp.float32)
+    normed = jnp.concatenate([rms(x, m.rms_norm_eps) * scale(i) for i, x in enumerate(parts)],
+                             axis=-1)
+    first = lambda key, shape, dtype: jnp.eye(shape[0], shape[1], dtype=dtype)
+    return nn.Dense(dim, use_bias=False, kernel_init=first, name='project')(normed)
 
 
 class DrafterBlock(nn.Module):
@@ -114,7 +153,8 @@ def init_drafter(config, model_config: ModelConfig, vocab_ids, seed: int = 0) ->
 
 
 def drafter_step(config: DrafterConfig, model_config: ModelConfig, weights, z, embedded):
-  return DrafterBlock(config, model_config).apply({'params': weights}, z, embedded)
+  block = {name: w for name, w in weights.items() if name != FEATURES}
+  return DrafterBlock(config, model_config).apply({'params': block}, z, embedded)
 
 
 @dataclasses.dataclass(frozen=True)

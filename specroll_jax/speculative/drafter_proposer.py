@@ -1,4 +1,5 @@
-"""The sequential drafter as a proposer: a static tree of rank paths, one depth at a time.
+"""The sequential drafter as a proposer: a tree of rank paths, static or grown per row, one
+depth at a time.
 
 The candidates are a prefix-closed set of rank paths (r_1, ..., r_d): the candidate (r_1..r_d)
 is the rank-r_d token of the drafter's law after the path (r_1..r_{d-1}). Each candidate with
@@ -13,7 +14,15 @@ one block step per depth, the cheapest tree. At T = 1 the best guess carries ~0.
 policy's mass on SmolLM2 (notes/history.md, issue 29), so most accepted paths leave the spine
 after their first step; a tree chosen from the drafter's own held-out rank paths
 (experiments.measure.drafter_trees) expands the lower ranks that are drawn often enough.
-Its shape stays static, so the tree builder, group drafts and the walk see fixed parents.
+That shape is static, the same in every row and position.
+
+A tree grown best-first (`expanded`, EAGLE-2's dynamic tree) expands instead, at each depth,
+the `expanded[d]` candidates of the highest path probability under the drafter in this row
+at this position, each with the spine's width of children: which rank paths are expanded
+differs per row, so its candidates carry per-row parents (Candidates.row_parents); the
+number of expanded candidates per depth, and so the cost and the shapes, stay static. With
+one expanded candidate per depth it is the spine. Where the drafter's law is peaked, the
+best paths run deep along one guess; where it is flat, they spread over its top ranks.
 
 An edge's score is the drafter's own probability of the token under the sampler: the
 drafter is trained to match the policy's distribution at that position, so it is the
@@ -88,6 +97,21 @@ class TreeLayout:
                             for level in expanded))
 
 
+def best_first_counts(widths: tuple, expanded: tuple) -> tuple:
+  """Candidates per depth of a tree grown best-first from the spine of `widths`: depth 1's
+  widths[0], then depth d's expanded[d - 2] nodes x widths[d - 1] children each."""
+  counts = [widths[0]]
+  for e, k in zip(expanded, widths[1:]):
+    if not 1 <= e <= counts[-1]:
+      break
+    counts.append(e * k)
+  if len(expanded) != len(widths) - 1 or len(counts) != len(widths):
+    raise ValueError(f'expanded={tuple(expanded)}: one count per depth above the deepest '
+                     f'({len(widths) - 1} for widths {tuple(widths)}), each between 1 and the '
+                     f'candidates of its depth')
+  return tuple(counts)
+
+
 def take_slots(x, slots):
   """x [B, S, ...] gathered at per-row slots [B, E] -> [B, E, ...]."""
   return x[jnp.arange(x.shape[0])[:, None], slots]
@@ -107,6 +131,10 @@ class DrafterProposer(Proposer):
   def __post_init__(self):
     layout = TreeLayout.build(self.paths)
     object.__setattr__(self, 'paths', layout.paths)
+    if self.config.feature_layers:
+      raise ValueError(f'drafter feature_layers={self.config.feature_layers}: the engine hands '
+                       'proposers the final hidden state only; a drafter reading layer '
+                       'features is measured offline (experiments.measure.drafter_features)')
     if int(layout.depth.max()) > self.config.depth:
       raise ValueError(f'tree depth {int(layout.depth.max())} exceeds the drafter\'s trained '
                        f'depth {self.config.depth}')
@@ -115,12 +143,7 @@ class DrafterProposer(Proposer):
       if layout.paths != spine_paths(widths):
         raise ValueError(f'a best-first drafter tree grows from a spine; paths {layout.paths} '
                          f'are not spine_paths({widths})')
-      counts = self.level_counts
-      if len(self.expanded) != len(widths) - 1 or any(
-          not 1 <= e <= n for e, n in zip(self.expanded, counts)):
-        raise ValueError(f'expanded={self.expanded}: one count per depth above the deepest '
-                         f'({len(widths) - 1}), each between 1 and that depth\'s candidates '
-                         f'{counts[:-1]}')
+      best_first_counts(widths, self.expanded)
 
   @cached_property
   def layout(self) -> TreeLayout:
@@ -128,9 +151,7 @@ class DrafterProposer(Proposer):
 
   @property
   def level_counts(self) -> tuple:
-    """Candidates per depth of a best-first tree: depth d's expanded nodes x their children."""
-    widths = tuple(int(k) for k in self.layout.top_k)
-    return tuple(k * (self.expanded[d - 1] if d else 1) for d, k in enumerate(widths))
+    return best_first_counts(tuple(int(k) for k in self.layout.top_k), self.expanded)
 
   @property
   def depth(self) -> int:

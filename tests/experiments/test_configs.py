@@ -106,6 +106,12 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   with pytest.raises(ValueError, match="does not apply to the drafter"):
     run_config(c)
   c.adaptation.mode = 'slow'
+  c.drafter.expanded = (2, 2, 2)
+  run_config(c)  # each row's two best paths expanded per depth of the spine (4, 2, 2, 1)
+  c.drafter.expanded = (2, 5, 1)  # depth 2 has 2 x 2 candidates, not 5
+  with pytest.raises(ValueError, match=r"drafter.expanded: expanded=\(2, 5, 1\)"):
+    run_config(c)
+  c.drafter.expanded = ()
   c.drafter.branching = (2, 2, 2, 2, 2)
   with pytest.raises(ValueError, match=r"drafter.branching=.*at most drafter.model.depth=4"):
     run_config(c)

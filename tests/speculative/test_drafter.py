@@ -10,11 +10,14 @@ import pytest
 from specroll_jax.adapt import drafter_training
 from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.adapt.drafter_training import DrafterTraining, train_drafter
+from specroll_jax.model.transformer import (Transformer, padded_sequence_features,
+                                             padded_sequence_hidden)
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.sequences import Sequences
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary
 from specroll_jax.speculative.drafter import (DRAFTER_CONFIG_FILE, DRAFTER_FILE, DrafterConfig,
-                                       drafter_step, init_drafter, load_drafter, save_drafter)
+                                       drafter_step, init_drafter, load_drafter, rms,
+                                       save_drafter)
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, TreeLayout, spine_paths
 from specroll_jax.speculative.proposer import StepContext, Vocabulary
 
@@ -235,3 +238,48 @@ def test_best_first_tree_expands_each_row_most_probable_paths(stories_policy):
     DrafterProposer(policy.config, CONFIG, ((0,), (1,), (1, 0)), sampler, expanded=(1,))
   with pytest.raises(ValueError, match='one count per depth'):
     DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 2)), sampler, expanded=(4, 1))
+
+
+def test_a_drafter_reading_layer_features_trains_saves_and_stays_out_of_rollouts(
+    stories_policy, story_pairs, tmp_path):
+  """Pairs with layer features hold the final hidden state first; a fresh fusion reads that
+  part alone; training with them lowers the loss; the fusion's weights round-trip; the
+  engine, which hands proposers the final state only, refuses such a drafter."""
+  policy = stories_policy
+  last = policy.config.num_layers - 1
+  train = story_pairs[0]
+  tokens = jnp.where(train.valid, train.tokens, -1)
+  features = padded_sequence_features(policy.config, policy.params, tokens, (0, last))
+  dim = policy.config.hidden_size
+  hidden = padded_sequence_hidden(policy.config, policy.params, tokens)[0]
+  np.testing.assert_array_equal(np.asarray(features[..., :dim]), np.asarray(hidden))
+  # The last layer's output through the final norm is the final state. Outside the forward
+  # the norm's mean of 64 squares may be summed in another order: each partial sum rounds
+  # once, so the relative difference stays below 64 float32 ulps (64 * 6e-8 ~ 4e-6).
+  final_norm = Transformer(policy.config).apply(
+      {'params': policy.params}, features[..., 2 * dim:],
+      method=lambda model, x: model.norm(x))
+  valid = np.asarray(train.valid)
+  np.testing.assert_allclose(np.asarray(final_norm)[valid], np.asarray(hidden)[valid],
+                             rtol=4e-6, atol=1e-6)
+  config = dataclasses.replace(CONFIG, feature_layers=(0, last))
+  vocab = frequency_vocabulary(train.tokens, train.valid, config.vocab_size(policy.config),
+                               policy.config.vocab_size)
+  fresh = init_drafter(config, policy.config, vocab, seed=0)
+  np.testing.assert_array_equal(
+      np.asarray(config.first_state(policy.config, fresh.weights, features)),
+      np.asarray(rms(hidden, policy.config.rms_norm_eps)))
+  wide = train.replace(hidden=features)
+  trained, _ = train_drafter(policy, config, DrafterTraining(target_top_k=16, steps=20,
+                                                             batch_size=8, learning_rate=3e-3),
+                             wide, seed=0, init_params=fresh)
+  losses = lambda p: np.divide(*map(np.asarray, drafter_training.depth_losses(
+      config, policy.config, p, policy.params, wide)))
+  assert np.all(losses(trained) < losses(fresh))
+  save_drafter(tmp_path, config, trained)
+  loaded_config, loaded = load_drafter(tmp_path, policy.config)
+  assert loaded_config == config
+  np.testing.assert_array_equal(np.asarray(loaded.weights['features']['project']['kernel']),
+                                np.asarray(trained.weights['features']['project']['kernel']))
+  with pytest.raises(ValueError, match='final hidden state only'):
+    DrafterProposer(policy.config, config, spine_paths((2, 1)), SamplerConfig())

@@ -1,0 +1,76 @@
+"""The sequential drafter reading several layers' features against the one reading h_t alone,
+trained on the same generations.
+
+  python -m experiments.measure.drafter_features --config=configs/drafter_kinds_w3.py
+
+EAGLE-3 fuses low, mid and high layers' hidden states into its drafter's input; our drafters
+read only the final state h_t (issue 46: "fused policy features, chosen by measurement").
+Each variant of c.feature_layer_sets fuses h_t with those decoder layers' outputs at z_0
+(speculative/drafter.py, FeatureFusion) and is trained with experiments.measure.
+drafter_kinds' recipe on the same pairs, draft vocabulary and seed (its h_t part bit for bit
+theirs), so the only difference is the input. Measured: held-out teacher-forced top-1
+agreement with the drawn token, and the policy's mass on the top-1 draft, per depth. The
+rollout engine hands proposers the final state only, so no tau is measured here: these
+agreements decide whether carrying layer features through the verification forward pays.
+"""
+import dataclasses
+from pathlib import Path
+
+from absl import app
+from ml_collections import config_flags
+
+from experiments.lib.drafter_recipes import SharedPairs, trained
+from experiments.lib.results import Result, Table, command_line, write
+from experiments.lib.workloads import drafter_config
+from specroll_jax import load_policy
+from specroll_jax.speculative.drafter import drafter_metadata
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafter_kinds_w3.py')
+
+
+def variant_name(layers: tuple) -> str:
+  return 'drafter' + ''.join(f'_l{i}' for i in layers)
+
+
+def measure(c) -> dict:
+  policy = load_policy(c.checkpoint, c.dtype)
+  base = drafter_config(c.drafter)
+  records = {}
+  for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets):
+    name = variant_name(layers)
+    config = dataclasses.replace(base, feature_layers=layers)
+    trained(policy, c, SharedPairs(policy, c, layers), name, config)
+    records[name] = dict(layers=layers, **dataclasses.asdict(
+        drafter_metadata(Path(c.kinds_dir) / name)))
+  return records
+
+
+def report(c, records) -> Result:
+  depth = len(next(iter(records.values()))['top1_by_depth'])
+  rows = [[name, ', '.join(map(str, r['layers'])) or 'final only']
+          + [f'{top1:.3f} ({mass:.3f})' for top1, mass in zip(r['top1_by_depth'],
+                                                            r['mass_by_depth'])]
+          + [f'{r["final_loss"]:.3f}', f'{r["seconds"] / 60:.1f}']
+          for name, r in records.items()]
+  data = {'backend': 'cpu', 'records': records, 'config': c.to_dict(),
+          **{f'{name}_top1_by_depth': r['top1_by_depth'] for name, r in records.items()}}
+  return Result(
+      title='Sequential drafter with layer features on W3 (same generations)',
+      command=command_line('experiments.measure.drafter_features'), data=data,
+      body=['Held-out teacher-forced top-1 agreement with the drawn token (the policy\'s mass '
+            f'on the top-1 draft) per depth; {c.kinds_pairs.num_sequences} training answers, '
+            f'{c.kinds_training.steps} steps of {c.kinds_training.batch_size}; final training '
+            'loss; recipe minutes (generation, features and training):',
+            Table(['drafter', 'decoder layers fused with h_t']
+                  + [f'depth {d}' for d in range(1, depth + 1)] + ['loss', 'minutes'], rows,
+                  align='ll' + 'r' * (depth + 2))])
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  write(report(c, measure(c)), c.features_out_dir)
+
+
+if __name__ == '__main__':
+  app.run(main)
