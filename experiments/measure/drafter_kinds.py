@@ -58,12 +58,13 @@ def measure(c) -> dict:
   cells = {f'{nodes}/{responses}': run_cell(policy, c, built, prompts, nodes, responses,
                                             sampler)
            for nodes, responses in c.kind_cells}
-  return {'records': records, 'proposing_costs': costs, 'cells': cells}
+  return {'records': records, 'proposers': list(built), 'proposing_costs': costs,
+          'cells': cells}
 
 
 def report(c, measured) -> Result:
   cells, records, costs = measured['cells'], measured['records'], measured['proposing_costs']
-  names = list(next(iter(cells.values())))
+  names = measured['proposers']
   rows = [[key.split('/')[0], key.split('/')[1]]
           + [f'{cell[n]["tau"]:.3f} ({cell[n]["identical"]}/{cell[n]["responses"]})'
              for n in names] for key, cell in cells.items()]
@@ -72,7 +73,8 @@ def report(c, measured) -> Result:
   depths = [[kind] + [f'{x:.3f}' for x in record['top1_by_depth']]
             + [f'{record["seconds"] / 60:.1f}'] for kind, record in records.items()]
   depth = len(next(iter(records.values()))['top1_by_depth'])
-  data = {'backend': 'cpu', 'cells': cells, 'records': records, 'proposing_costs': costs,
+  data = {'backend': 'cpu', 'proposers': names, 'cells': cells, 'records': records,
+          'proposing_costs': costs,
           'config': c.to_dict(),
           **{f'{n}_tau_{key.replace("/", "_b")}': cell[n]['tau']
              for key, cell in cells.items() for n in names}}
