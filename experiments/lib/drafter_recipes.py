@@ -28,8 +28,8 @@ FEATURE_ROWS = 8
 class SharedPairs:
   """The pairs every drafter of a comparison trains on: generated once when one needs them,
   kept in c.kinds_dir/pairs.npz (written aside, then renamed). With `feature_layers`, their
-  hidden states are widened with those decoder layers' outputs (recomputed from the kept
-  tokens, FEATURE_ROWS sequences per forward; their seconds count as the pairs')."""
+  hidden states are widened with those decoder layers' outputs (`with_layer_features`, over
+  the prompts the pairs were generated from; their seconds count as the pairs')."""
 
   def __init__(self, policy, c, feature_layers: tuple = ()):
     self.policy, self.c, self.pairs = policy, c, None
@@ -58,18 +58,44 @@ class SharedPairs:
       self.path.with_suffix('.tmp').replace(self.path)
     if self.feature_layers and self.pairs[0].hidden.shape[-1] == self.policy.config.hidden_size:
       start = time.perf_counter()
-      self.pairs = tuple(pairs.replace(hidden=self._features(pairs)) for pairs in self.pairs)
+      p = self.c.kinds_pairs
+      prompts = head_training_prompts(self.policy, self.c, p)
+      rows = [prompts[i % len(prompts)] for i in range(p.num_sequences + p.held_out)]
+      self.pairs = (
+          with_layer_features(self.policy, rows[:p.num_sequences], self.pairs[0],
+                              self.feature_layers, self.path),
+          with_layer_features(self.policy, rows[p.num_sequences:], self.pairs[1],
+                              self.feature_layers, self.path))
       self.seconds += time.perf_counter() - start
     return self.pairs
 
-  def _features(self, pairs: DistillPairs) -> np.ndarray:
-    """The kept hidden states (so h_t is bit for bit the other drafters'), then the layers'."""
-    tokens = np.where(pairs.valid, pairs.tokens, -1)
-    dim = self.policy.config.hidden_size
-    layers = [np.asarray(_features(self.policy.config, self.policy.params,
-                                   tokens[i:i + FEATURE_ROWS], self.feature_layers))[..., dim:]
-              for i in range(0, len(tokens), FEATURE_ROWS)]
-    return np.concatenate([np.asarray(pairs.hidden), np.concatenate(layers)], axis=-1)
+
+def with_layer_features(policy, prompt_rows, pairs: DistillPairs, layers: tuple,
+                        source) -> DistillPairs:
+  """`pairs` (response spans from each row's last prompt token, as distill.generated_pairs
+  makes them from `prompt_rows`) with `layers`' outputs after their hidden states (which stay
+  bit for bit the other drafters'): one forward over each row's whole sequence, the prompt
+  and then the span's response, so every layer sees the context h_t saw; taken at the span's
+  positions. `source` names the pairs in errors."""
+  valid = np.asarray(pairs.valid)
+  tokens = np.asarray(pairs.tokens)
+  spans = [row[ok] for row, ok in zip(tokens, valid)]
+  for i, (prompt, span) in enumerate(zip(prompt_rows, spans)):
+    if not len(span) or span[0] != prompt[-1]:
+      raise ValueError(f'{source}: pair row {i} does not start at its prompt\'s last token '
+                       '(the pairs were made from other prompts)')
+  starts = [len(prompt) - 1 for prompt in prompt_rows]
+  width = max(starts) + tokens.shape[1]
+  full = np.full((len(spans), width), -1, np.int32)
+  for i, (prompt, span) in enumerate(zip(prompt_rows, spans)):
+    full[i, :starts[i] + len(span)] = list(prompt[:-1]) + span.tolist()
+  dim = policy.config.hidden_size
+  outputs = np.concatenate([np.asarray(_features(policy.config, policy.params,
+                                                 full[i:i + FEATURE_ROWS], tuple(layers)))
+                            for i in range(0, len(full), FEATURE_ROWS)])
+  taken = np.stack([outputs[i, start:start + tokens.shape[1], dim:]
+                    for i, start in enumerate(starts)])
+  return pairs.replace(hidden=np.concatenate([np.asarray(pairs.hidden), taken], axis=-1))
 
 
 @partial(jax.jit, static_argnums=(0, 3))
