@@ -3,8 +3,9 @@ one: the same section, warm start, spine and slow path, with a different layer a
 their warm start, their spine, and their slow path.
 
 The monitor watches the drafter's depths as it watches heads (acceptance and regret per
-depth along the spine); any triggered depth trains the whole block, which every depth
-shares (adapt/drafter_consolidation.py). The monitor then counts the update for the
+depth along the spine, or along each row's most probable path in a tree grown per row); any
+triggered depth trains the whole block, which every depth shares
+(adapt/drafter_consolidation.py). The monitor then counts the update for the
 triggered depths only, though the others' drafts changed too: a depth that did not trigger
 keeps its baseline and goes on being judged against it. Reflex does not apply to the
 drafter (speculative/drafter_proposer.py says why).
@@ -44,7 +45,7 @@ class DrafterKind(LearnedProposerKind):
   directory_name = 'drafter'
 
   def check(self, config: RunConfig) -> None:
-    config.drafter.check_branching()
+    config.drafter.check()
 
   def static_config(self, config: RunConfig) -> DrafterConfig:
     return config.drafter.model

@@ -137,7 +137,7 @@ class DrafterSection:
     object.__setattr__(self, 'branching', tuple(int(b) for b in self.branching))
     object.__setattr__(self, 'expanded', tuple(int(e) for e in self.expanded))
 
-  def check_branching(self) -> None:
+  def check(self) -> None:
     """The spine fits the block and the best-first expansion fits the spine (checked where
     the drafter drafts)."""
     if (not self.branching or min(self.branching) < 1

@@ -83,8 +83,8 @@ class ContextDrafterProposer(DrafterProposer):
       chain[1] = jnp.concatenate([take_slots(chain[1], slots), v[:, :, None]], axis=2)
       return layer.attend(inputs, positions, state.keys, state.values, visible, *chain)
 
-    laws, chosen = self._laws(params, context, levels, first, advance)
-    candidates, guesses = self.candidates(laws, chosen, context)
+    laws, expanded_index = self._laws(params, context, levels, first, advance)
+    candidates, guesses = self.candidates(laws, expanded_index, context)
     return Proposal(candidates=candidates,
                     record=ContextRecord(guesses, root_key[:, 0], root_value[:, 0]))
 

@@ -72,6 +72,9 @@ class DrafterConfig:
   def init_weights(self, model_config: ModelConfig, seed: int) -> dict:
     dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
     weights = DrafterBlock(self, model_config).init(jax.random.key(seed), dummy, dummy)['params']
+    if max(self.feature_layers, default=-1) >= model_config.num_layers:
+      raise ValueError(f'{type(self).__name__}: feature_layers={self.feature_layers}, but the '
+                       f'policy has {model_config.num_layers} decoder layers (0-based)')
     if self.feature_layers:
       features = jnp.zeros((1, (1 + len(self.feature_layers)) * model_config.hidden_size))
       weights = {**weights, FEATURES: FeatureFusion(model_config).init(

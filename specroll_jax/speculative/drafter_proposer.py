@@ -28,7 +28,8 @@ An edge's score is the drafter's own probability of the token under the sampler:
 drafter is trained to match the policy's distribution at that position, so it is the
 estimated chance that the verifier draws it. Per-(depth, rank) verifier statistics are kept
 per row (DepthStats, for reports) along the first expanded candidate of each depth (the
-spine's best-guess path); the heads' scores blend in those online rates because heads that
+spine's best-guess path; in a grown tree the row's most probable path, which moves per row
+and step); the heads' scores blend in those online rates because heads that
 cannot see the root are miscalibrated by construction, the drafter's are not.
 
 Reflex does not apply: it corrects a head's output for a fixed horizon from delayed
@@ -113,7 +114,10 @@ def best_first_counts(widths: tuple, expanded: tuple) -> tuple:
 
 
 def take_slots(x, slots):
-  """x [B, S, ...] gathered at per-row slots [B, E] -> [B, E, ...]."""
+  """x [B, S, ...] at slots -> [B, E, ...]: static slots [E] (numpy, a static tree's: a
+  static slice) or per-row slots [B, E] (a grown tree's: a gather)."""
+  if isinstance(slots, np.ndarray):
+    return x[:, slots]
   return x[jnp.arange(x.shape[0])[:, None], slots]
 
 
@@ -131,6 +135,7 @@ class DrafterProposer(Proposer):
   def __post_init__(self):
     layout = TreeLayout.build(self.paths)
     object.__setattr__(self, 'paths', layout.paths)
+    object.__setattr__(self, 'expanded', tuple(int(e) for e in self.expanded))
     if self.config.feature_layers:
       raise ValueError(f'drafter feature_layers={self.config.feature_layers}: the engine hands '
                        'proposers the final hidden state only; a drafter reading layer '
@@ -151,6 +156,9 @@ class DrafterProposer(Proposer):
 
   @property
   def level_counts(self) -> tuple:
+    """Candidates per depth."""
+    if not self.expanded:
+      return tuple(int(n) for n in np.bincount(self.layout.depth)[1:])
     return best_first_counts(tuple(int(k) for k in self.layout.top_k), self.expanded)
 
   @property
@@ -159,7 +167,7 @@ class DrafterProposer(Proposer):
 
   @property
   def num_candidates(self) -> int:
-    return sum(self.level_counts) if self.expanded else len(self.paths)
+    return sum(self.level_counts)
 
   def init(self, prompt_tokens, seqs) -> DepthStats:
     del prompt_tokens
@@ -167,16 +175,16 @@ class DrafterProposer(Proposer):
 
   def _expand(self, d: int, law, path):
     """Depth d + 1's expanded candidates, from depth d + 1's laws (ids, probs [B, E_d, k])
-    and their parents' path probabilities [B, E_d]: (the slots [B, E] of their parents,
-    their tokens [B, E], their path probabilities [B, E], and, in a best-first tree, their
-    indices [B, E] among depth d + 1's candidates, the laws flattened)."""
+    and their parents' path probabilities [B, E_d]: (the slots of their parents: static [E]
+    in a static tree, [B, E] in a grown one; their tokens [B, E]; in a grown tree their path
+    probabilities [B, E] and their indices [B, E] among depth d + 1's candidates, the laws
+    flattened; a static tree passes `path` through and has no indices)."""
     ids, p = law
     batch = ids.shape[0]
     if not self.expanded:
       layout = self.layout
       slots = layout.expanded_slot[d]
-      tokens = ids[:, slots, layout.rank[np.asarray(layout.expanded[d])]]
-      return jnp.broadcast_to(jnp.asarray(slots, jnp.int32), tokens.shape), tokens, path, None
+      return slots, ids[:, slots, layout.rank[np.asarray(layout.expanded[d])]], path, None
     path, flat = jax.lax.top_k((path[:, :, None] * p).reshape(batch, -1), self.expanded[d])
     tokens = jnp.take_along_axis(ids.reshape(batch, -1), flat, axis=1)
     return flat // p.shape[-1], tokens, path, flat
@@ -185,16 +193,17 @@ class DrafterProposer(Proposer):
     """Per depth d <= levels, the top tokens and probabilities of the laws of depth d - 1's
     expanded candidates (the root's at depth 1): ([B, E_{d-1}, k_d] ids, probs), best
     expanded candidate first; and per depth d < levels, the indices [B, E_d] of depth d's
-    expanded candidates among its candidates (laws flattened).
+    expanded candidates among its candidates (laws flattened; None in a static tree).
 
     first() -> the root's state [B, 1, D]; advance(depth, parent_slots, tokens, z) -> the
     states [B, E, D] of depth's expanded candidates `tokens` [B, E], whose parents sit at
-    `parent_slots` [B, E] of the previous depth's states `z`.
+    `parent_slots` (static [E] or per-row [B, E], see take_slots) of the previous depth's
+    states `z`.
     """
     layout, draft_rows = self.layout, context.vocab.rows(params.vocab_ids)  # [V_d, D]
     z = first()
     path = jnp.ones(z.shape[:2], jnp.float32)
-    laws, chosen, depths = [], [], min(levels, self.depth)
+    laws, expanded_index, depths = [], [], min(levels, self.depth)
     for d in range(depths):
       k = int(layout.top_k[d])
       p, index = jax.lax.top_k(sampling.distribution(z @ draft_rows.T, self.sampler), k)
@@ -203,27 +212,27 @@ class DrafterProposer(Proposer):
         break
       # Prefix-closed paths: every depth above the deepest has candidates with children.
       slots, tokens, path, flat = self._expand(d, laws[d], path)
-      chosen.append(flat)
+      expanded_index.append(flat)
       z = advance(d + 2, slots, tokens, z)
-    return laws, chosen
+    return laws, expanded_index
 
   def propose(self, params: DrafterParams, state: DepthStats, context: StepContext,
               levels: int) -> Proposal:
     del state
     step = lambda z, tokens: drafter_step(self.config, self.model_config, params.weights, z,
                                           context.vocab.embed(tokens))
-    laws, chosen = self._laws(
+    laws, expanded_index = self._laws(
         params, context, levels, first=lambda: step(context.hidden, context.root)[:, None],
         advance=lambda depth, slots, tokens, z: step(take_slots(z, slots), tokens))
-    candidates, guesses = self.candidates(laws, chosen, context)
+    candidates, guesses = self.candidates(laws, expanded_index, context)
     return Proposal(candidates=candidates, record=guesses)
 
-  def candidates(self, laws, chosen, context: StepContext) -> tuple:
+  def candidates(self, laws, expanded_index, context: StepContext) -> tuple:
     """(Candidates, HeadGuesses along the first expanded candidates) from each depth's laws
     and expanded candidates (as `_laws` returns them)."""
     batch = context.root.shape[0]
     tokens, scores, row_parents = self._static_candidates(laws, batch) if not self.expanded \
-        else self._best_first_candidates(laws, chosen, batch)
+        else self._best_first_candidates(laws, expanded_index, batch)
     top_k = int(self.layout.top_k.max())
     first_tokens, first_probs = [], []
     for ids, p in laws:
@@ -257,7 +266,7 @@ class DrafterProposer(Proposer):
       scores = scores.at[:, at].set(p[:, layout.slot[at], layout.rank[at]])
     return tokens, scores, None
 
-  def _best_first_candidates(self, laws, chosen, batch: int):
+  def _best_first_candidates(self, laws, expanded_index, batch: int):
     """Depth d's candidates are its laws flattened (expanded slot, rank); each row's parent
     of one is the candidate its slot expanded at depth d - 1. Depths below this step's
     levels keep score 0 and their template parents."""
@@ -265,7 +274,7 @@ class DrafterProposer(Proposer):
     tokens = [ids.reshape(batch, -1) for ids, _ in laws]
     scores = [p.reshape(batch, -1) for _, p in laws]
     parents = [jnp.full((batch, self.level_counts[0]), -1, jnp.int32)]
-    for d, flat in enumerate(chosen, start=1):
+    for d, flat in enumerate(expanded_index, start=1):
       parents.append(jnp.repeat(flat + int(offsets[d - 1]), int(self.layout.top_k[d]), axis=1))
     missing = self.num_candidates - int(offsets[len(laws)])
     template = jnp.asarray(self.template_parents[int(offsets[len(laws)]):], jnp.int32)

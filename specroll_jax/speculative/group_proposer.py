@@ -248,8 +248,9 @@ def merge(chain_tokens, chain_scores, base: Candidates):
   Two sources propose the same path only if they agree on its first token, so duplicates
   are settled at depth 1: where a chain starts with the token of a depth-1 base candidate,
   the one whose best path below is worth more (expected accepted tokens) keeps its root and
-  the other gets score 0 there, which takes its whole subtree out of the tree. (With static
-  parents one source's nodes cannot hang below the other's.)
+  the other gets score 0 there, which takes its whole subtree out of the tree. (Each
+  source's parents, static or per row, stay within it: one source's nodes cannot hang below
+  the other's.)
   """
   roots = np.flatnonzero(np.asarray(base.parent) < 0)  # depth-1 base candidates
   chain_path = jnp.cumprod(jnp.clip(chain_scores, 0.0, 1.0), axis=-1)

@@ -16,9 +16,10 @@ proposer reads in its Feedback; the walk computes that top-M (a softmax and a to
 the vocabulary at every depth) only when some proposer asks for it.
 
 Candidates are edges (parent candidate, token, score) in a static order with parents
-first (the parents may differ per row at a static depth), so drafts from different sources (per-depth head candidates, chains from a suffix
-match, the oracle's true future) can be concatenated and share one node budget in the tree
-builder. Exactness never depends on a proposer: it only decides what the verifier may accept.
+first (the parents may differ per row, at a static depth), so drafts from different sources
+(per-depth head candidates, chains from a suffix match, the oracle's true future) can be
+concatenated and share one node budget in the tree builder. Exactness never depends on a
+proposer: it only decides what the verifier may accept.
 """
 import abc
 from typing import Any

@@ -135,3 +135,16 @@ def test_per_row_parents_shape_each_row_tree():
             for c in (same, rowwise))
     for field in ('tokens', 'parents', 'depths', 'valid', 'candidate'):
       np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)))
+
+
+def test_concat_shifts_per_row_parents_past_the_first_source():
+  """A static source then a per-row one: the second's parents move past the first's
+  candidates, its roots stay roots, and the first's static parents become its rows'."""
+  chain = Candidates(tokens=jnp.array([[31, 32], [41, 42]]), scores=jnp.ones((2, 2)),
+                     parent=(-1, 0))
+  grown = Candidates(tokens=jnp.array([[1, 2, 3], [1, 2, 3]]), scores=jnp.ones((2, 3)),
+                     parent=(-1, -1, 0), row_parents=jnp.array([[-1, -1, 0], [-1, -1, 1]]))
+  both = chain.concat(grown)
+  assert both.parent == (-1, 0, -1, -1, 2)
+  assert np.asarray(both.parents()).tolist() == [[-1, 0, -1, -1, 2], [-1, 0, -1, -1, 3]]
+  assert both.depths.tolist() == [1, 2, 1, 1, 2]
