@@ -210,16 +210,22 @@ def causal_mask(valid: jax.Array) -> jax.Array:
   return tril[None] & valid[:, None, :]
 
 
+def _padded_inputs(tokens):
+  """Right-padded rows (-1 = padding) as a full-sequence forward takes them: (tokens with
+  padding as 0, positions, causal mask hiding padded keys, valid mask [B, T])."""
+  batch, width = tokens.shape
+  valid = tokens >= 0
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  return jnp.where(valid, tokens, 0), positions, causal_mask(valid), valid
+
+
 def padded_sequence_hidden(config: ModelConfig, params, tokens):
   """Full-sequence forward over right-padded rows (-1 = padding), as learners need it.
 
   Returns (hidden [B, T, D], tokens with padding as 0, valid mask [B, T]).
   """
-  batch, width = tokens.shape
-  valid = tokens >= 0
-  safe = jnp.where(valid, tokens, 0)
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  hidden, _ = Transformer(config).apply({'params': params}, safe, positions, causal_mask(valid))
+  safe, positions, mask, valid = _padded_inputs(tokens)
+  hidden, _ = Transformer(config).apply({'params': params}, safe, positions, mask)
   return hidden, safe, valid
 
 
@@ -227,12 +233,10 @@ def padded_sequence_features(config: ModelConfig, params, tokens, layers: tuple)
   """[B, T, (1 + len(layers)) D]: the final hidden state, then the outputs of decoder
   `layers` (0-based), of a full-sequence forward over right-padded rows (-1 = padding):
   the pairs of a drafter that fuses layer features."""
-  batch, width = tokens.shape
-  valid = tokens >= 0
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  safe, positions, mask, _ = _padded_inputs(tokens)
   names = {f'layers_{i}' for i in layers}
   (hidden, _), captured = Transformer(config).apply(
-      {'params': params}, jnp.where(valid, tokens, 0), positions, causal_mask(valid),
+      {'params': params}, safe, positions, mask,
       capture_intermediates=lambda module, method: method == '__call__' and module.name in names,
       mutable=['intermediates'])
   outputs = [captured['intermediates'][f'layers_{i}']['__call__'][0][0] for i in layers]
