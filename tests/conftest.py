@@ -1,22 +1,38 @@
 """Test setup: 8 host CPU devices (for the sharding tests), one compilation cache for the
 session, and shared fixtures."""
 import os
+import shutil
 import tempfile
 
 # Must happen before jax is imported anywhere in the test process. Once: pytest-xdist's
-# workers inherit the flags of the process that imported this file first.
+# workers inherit the environment of the process that imported this file first.
 HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
-if HOST_DEVICES_FLAG not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
+# Compilation is most of the suite's time (XLA:CPU compiles a program on one core), and
+# LLVM's optimisations are most of a compilation; the tests' shapes are tiny, so running
+# unoptimised machine code costs little. Level 0 cut one exactness case's XLA compilation
+# from 34 to 21 s (2026-12-07). No assertion depends on the level: every comparison in the
+# suite is between programs compiled under the same flags (engine against engine, run against
+# resumed run) or against a reference with a derived tolerance, and exactness is a property
+# of the algorithm, not of one compilation. Benchmarks and runs keep XLA's default, and each
+# checks its responses against vanilla's.
+UNOPTIMISED_CODEGEN_FLAG = '--xla_backend_optimization_level=0'
+for flag in (HOST_DEVICES_FLAG, UNOPTIMISED_CODEGEN_FLAG):
+  if flag not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# A persistent compilation cache, new for each session (each pytest-xdist worker has its own:
-# JAX writes an entry without a lock, so another process could read it half written) and
-# inherited by the subprocesses the tests start: a program compiled once (the same HLO,
-# options and devices) is loaded by later tests instead of compiled again, the same
-# executable and so the same bits (the exactness module ran 28% faster with it, 2026-12-04).
-# Loads still count as compilations (rollout/compilation.py), so the no-recompilation tests
-# see them.
-os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='specroll_tests_xla_cache_')
+# A persistent compilation cache, new for each session, shared by the pytest-xdist workers
+# (they inherit this variable from the first process) and the subprocesses the tests start:
+# a program compiled once (the same HLO, options and devices) is loaded by later tests
+# instead of compiled again, the same executable and so the same bits (the exactness module
+# ran 28% faster with it, 2026-12-04). A size limit makes JAX guard each read and write with
+# a file lock (filelock), so one process never reads an entry another is still writing; the
+# limit itself is far above what a session writes (~130 MB). Loads still count as
+# compilations (rollout/compilation.py), so the no-recompilation tests see them.
+CACHE_OWNER_VARIABLE = 'SPECROLL_TESTS_XLA_CACHE_OWNER'
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='specroll_tests_xla_cache_')
+  os.environ[CACHE_OWNER_VARIABLE] = str(os.getpid())
+os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(64 * 2**30)
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
 
@@ -40,6 +56,13 @@ def pytest_configure(config):
   config.addinivalue_line(
       'markers', 'slow: starts processes or runs a notebook (minutes); `pytest -m "not slow"` '
       'is the fast set, CI runs everything')
+
+
+def pytest_unconfigure(config):
+  """The process that made the session's compilation cache removes it when the session ends."""
+  del config
+  if os.environ.get(CACHE_OWNER_VARIABLE) == str(os.getpid()):
+    shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
