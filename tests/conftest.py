@@ -7,18 +7,8 @@ import tempfile
 # Must happen before jax is imported anywhere in the test process. Once: pytest-xdist's
 # workers inherit the environment of the process that imported this file first.
 HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
-# Compilation is most of the suite's time (XLA:CPU compiles a program on one core), and
-# LLVM's optimisations are most of a compilation; the tests' shapes are tiny, so running
-# unoptimised machine code costs little. Level 0 cut one exactness case's XLA compilation
-# from 34 to 21 s (2026-12-07). No assertion depends on the level: every comparison in the
-# suite is between programs compiled under the same flags (engine against engine, run against
-# resumed run) or against a reference with a derived tolerance, and exactness is a property
-# of the algorithm, not of one compilation. Benchmarks and runs keep XLA's default, and each
-# checks its responses against vanilla's.
-UNOPTIMISED_CODEGEN_FLAG = '--xla_backend_optimization_level=0'
-for flag in (HOST_DEVICES_FLAG, UNOPTIMISED_CODEGEN_FLAG):
-  if flag not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+if HOST_DEVICES_FLAG not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # A persistent compilation cache, new for each session, shared by the pytest-xdist workers
 # (they inherit this variable from the first process) and the subprocesses the tests start:
@@ -26,7 +16,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # instead of compiled again, the same executable and so the same bits (the exactness module
 # ran 28% faster with it, 2026-12-04). A size limit makes JAX guard each read and write with
 # a file lock (filelock), so one process never reads an entry another is still writing; the
-# limit itself is far above what a session writes (~130 MB). Loads still count as
+# limit itself is far above what a session writes. Loads still count as
 # compilations (rollout/compilation.py), so the no-recompilation tests see them.
 CACHE_OWNER_VARIABLE = 'SPECROLL_TESTS_XLA_CACHE_OWNER'
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
@@ -56,6 +46,30 @@ def pytest_configure(config):
   config.addinivalue_line(
       'markers', 'slow: starts processes or runs a notebook (minutes); `pytest -m "not slow"` '
       'is the fast set, CI runs everything')
+
+
+# The modules that take longest (summed durations, 2026-12-07), longest first. pytest-xdist
+# hands whole modules (`--dist loadfile`) to the workers in collection order, so the longest
+# start first and the short ones fill in at the end, instead of one long module running alone
+# on one worker after the other has finished. Only the order changes, never what runs.
+LONGEST_MODULES = (
+    'speculative/test_speculative_exactness.py',
+    'speculative/test_context_drafter.py',
+    'experiments/test_notebooks.py',
+    'rl/test_scale_out.py',
+    'model/test_bf16_compute.py',
+    'rl/test_trainer.py',
+    'speculative/test_drafter.py',
+    'adapt/test_reflex.py',
+)
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    module = item.nodeid.split('::')[0]
+    return next((i for i, name in enumerate(LONGEST_MODULES) if module.endswith(name)),
+                len(LONGEST_MODULES))
+  items.sort(key=rank)
 
 
 def pytest_unconfigure(config):
