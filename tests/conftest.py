@@ -5,24 +5,20 @@ import shutil
 import tempfile
 
 # Must happen before jax is imported anywhere in the test process. Once: pytest-xdist's
-# workers inherit the environment of the process that imported this file first.
+# workers inherit the flags of the process that imported this file first.
 HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
 if HOST_DEVICES_FLAG not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# A persistent compilation cache, new for each session, shared by the pytest-xdist workers
-# (they inherit this variable from the first process) and the subprocesses the tests start:
-# a program compiled once (the same HLO, options and devices) is loaded by later tests
-# instead of compiled again, the same executable and so the same bits (the exactness module
-# ran 28% faster with it, 2026-12-04). A size limit makes JAX guard each read and write with
-# a file lock (filelock), so one process never reads an entry another is still writing; the
-# limit itself is far above what a session writes. Loads still count as
-# compilations (rollout/compilation.py), so the no-recompilation tests see them.
-CACHE_OWNER_VARIABLE = 'SPECROLL_TESTS_XLA_CACHE_OWNER'
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='specroll_tests_xla_cache_')
-  os.environ[CACHE_OWNER_VARIABLE] = str(os.getpid())
-os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(64 * 2**30)
+# A persistent compilation cache, new for each session (each pytest-xdist worker has its own:
+# JAX writes an entry without a lock, so another process could read it half written) and
+# inherited by the subprocesses the tests start: a program compiled once (the same HLO,
+# options and devices) is loaded by later tests instead of compiled again, the same
+# executable and so the same bits (the exactness module ran 28% faster with it, 2026-12-04).
+# Loads still count as compilations (rollout/compilation.py), so the no-recompilation tests
+# see them.
+SESSION_CACHE_DIR = tempfile.mkdtemp(prefix='specroll_tests_xla_cache_')
+os.environ['JAX_COMPILATION_CACHE_DIR'] = SESSION_CACHE_DIR
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
 
@@ -48,35 +44,11 @@ def pytest_configure(config):
       'is the fast set, CI runs everything')
 
 
-# The modules that take longest (summed durations, 2026-12-07), longest first. pytest-xdist
-# hands whole modules (`--dist loadfile`) to the workers in collection order, so the longest
-# start first and the short ones fill in at the end, instead of one long module running alone
-# on one worker after the other has finished. Only the order changes, never what runs.
-LONGEST_MODULES = (
-    'speculative/test_speculative_exactness.py',
-    'speculative/test_context_drafter.py',
-    'experiments/test_notebooks.py',
-    'rl/test_scale_out.py',
-    'model/test_bf16_compute.py',
-    'rl/test_trainer.py',
-    'speculative/test_drafter.py',
-    'adapt/test_reflex.py',
-)
-
-
-def pytest_collection_modifyitems(items):
-  def rank(item):
-    module = item.nodeid.split('::')[0]
-    return next((i for i, name in enumerate(LONGEST_MODULES) if module.endswith(name)),
-                len(LONGEST_MODULES))
-  items.sort(key=rank)
-
-
 def pytest_unconfigure(config):
-  """The process that made the session's compilation cache removes it when the session ends."""
+  """Each process removes the compilation cache it made (~125 MB a worker), which would
+  otherwise stay in the temporary folder after every run."""
   del config
-  if os.environ.get(CACHE_OWNER_VARIABLE) == str(os.getpid()):
-    shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
+  shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
