@@ -44,10 +44,9 @@ def pytest_configure(config):
       'is the fast set, CI runs everything')
 
 
-def pytest_unconfigure(config):
+def pytest_unconfigure():
   """Each process removes the compilation cache it made (~125 MB a worker), which would
   otherwise stay in the temporary folder after every run."""
-  del config
   shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
 
 
