@@ -80,12 +80,12 @@ def proposing_costs(policy, c, built, prompts, sampler, repeats: int = 15) -> di
       root = jnp.argmax(state.next_logits, axis=-1).astype(jnp.int32)
       vocab = Vocabulary(params.policy, policy.config)
 
-      def one(_, hidden):
+      def one(_, features):
         proposal = proposer.propose(params.proposer, state.proposer,
-                                    StepContext(hidden, root, state.seqs, vocab), levels)
+                                    StepContext(features, root, state.seqs, vocab), levels)
         # A dependence on the proposal, so the calls are neither hoisted nor merged.
-        return hidden + 0.0 * jnp.sum(proposal.candidates.scores)
-      return jax.lax.fori_loop(0, STEPS_PER_CALL, one, state.last_hidden)
+        return features + 0.0 * jnp.sum(proposal.candidates.scores)
+      return jax.lax.fori_loop(0, STEPS_PER_CALL, one, state.last_features)
 
     plain = compiled_steps(engine.plain_step)
     key = jax.random.key(0)

@@ -9,9 +9,11 @@ Each variant of c.feature_layer_sets fuses h_t with those decoder layers' output
 (speculative/drafter.py, FeatureFusion) and is trained with experiments.measure.
 drafter_kinds' recipe on the same pairs, draft vocabulary and seed (its h_t part bit for bit
 theirs), so the only difference is the input. Measured: held-out teacher-forced top-1
-agreement with the drawn token, and the policy's mass on the top-1 draft, per depth. The
-rollout engine hands proposers the final state only, so no tau is measured here: these
-agreements decide whether carrying layer features through the verification forward pays.
+agreement with the drawn token, and the policy's mass on the top-1 draft, per depth; then,
+through the rollout engine (which captures the layers in its prefill, tree and plain
+forwards), each variant's proposing cost at one response and tau at c.kind_cells on held-out
+GSM8K test questions with the spine c.drafter_branching, every response checked against
+vanilla's, as experiments.measure.drafter_kinds measures them.
 """
 import dataclasses
 from pathlib import Path
@@ -19,11 +21,14 @@ from pathlib import Path
 from absl import app
 from ml_collections import config_flags
 
+from experiments.lib.draft_cells import proposing_costs, run_cell
 from experiments.lib.drafter_recipes import SharedPairs, trained
 from experiments.lib.results import Result, Table, command_line, write
-from experiments.lib.workloads import drafter_config
+from experiments.lib.workloads import benchmark_prompts, drafter_config
 from specroll_jax import load_policy
+from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import drafter_metadata
+from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafter_kinds_w3.py')
 
@@ -34,26 +39,43 @@ def variant_name(layers: tuple) -> str:
 
 def measure(c) -> dict:
   policy = load_policy(c.checkpoint, c.dtype)
+  sampler = SamplerConfig(temperature=c.temperature)
   base = drafter_config(c.drafter)
-  records = {}
+  records, built = {}, {}
   for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets):
     name = variant_name(layers)
     config = dataclasses.replace(base, feature_layers=layers)
-    trained(policy, c, SharedPairs(policy, c, layers), name, config)
+    config, params = trained(policy, c, SharedPairs(policy, c, layers), name, config)
     records[name] = dict(layers=layers, **dataclasses.asdict(
         drafter_metadata(Path(c.kinds_dir) / name)))
-  return records
+    built[name] = (DrafterProposer(policy.config, config, spine_paths(c.drafter_branching),
+                                   sampler), params)
+  prompts = benchmark_prompts(policy, c)
+  costs = proposing_costs(policy, c, built, prompts, sampler) if c.kinds_costs else {}
+  cells = {f'{nodes}/{responses}': run_cell(policy, c, built, prompts, nodes, responses,
+                                            sampler)
+           for nodes, responses in c.kind_cells}
+  return {'records': records, 'proposing_costs': costs, 'cells': cells}
 
 
-def report(c, records) -> Result:
+def report(c, measured) -> Result:
+  records, costs, cells = measured['records'], measured['proposing_costs'], measured['cells']
   depth = len(next(iter(records.values()))['top1_by_depth'])
   rows = [[name, ', '.join(map(str, r['layers'])) or 'final only']
           + [f'{top1:.3f} ({mass:.3f})' for top1, mass in zip(r['top1_by_depth'],
                                                             r['mass_by_depth'])]
           + [f'{r["final_loss"]:.3f}', f'{r["seconds"] / 60:.1f}']
           for name, r in records.items()]
-  data = {'backend': 'cpu', 'records': records, 'config': c.to_dict(),
-          **{f'{name}_top1_by_depth': r['top1_by_depth'] for name, r in records.items()}}
+  taus = [[key.split('/')[0], key.split('/')[1]]
+          + [f'{cell[n]["tau"]:.3f} ({cell[n]["identical"]}/{cell[n]["responses"]})'
+             for n in records] for key, cell in cells.items()]
+  taus.append(['proposing', '1'] + [f'{costs[n]:.3f}' if n in costs else 'not measured'
+                                    for n in records])
+  data = {'backend': 'cpu', 'records': records, 'cells': cells, 'proposing_costs': costs,
+          'config': c.to_dict(),
+          **{f'{name}_top1_by_depth': r['top1_by_depth'] for name, r in records.items()},
+          **{f'{n}_tau_{key.replace("/", "_b")}': cell[n]['tau']
+             for key, cell in cells.items() for n in records}}
   return Result(
       title='Sequential drafter with layer features on W3 (same generations)',
       command=command_line('experiments.measure.drafter_features'), data=data,
@@ -63,7 +85,12 @@ def report(c, records) -> Result:
             'loss; recipe minutes (generation, features and training):',
             Table(['drafter', 'decoder layers fused with h_t']
                   + [f'depth {d}' for d in range(1, depth + 1)] + ['loss', 'minutes'], rows,
-                  align='ll' + 'r' * (depth + 2))])
+                  align='ll' + 'r' * (depth + 2)),
+            f'Through the engine, the spine {tuple(c.drafter_branching)}: tau at T = '
+            f'{c.temperature} (identical to vanilla / responses); last row: proposing cost at '
+            f'one response and {c.cost_nodes} nodes (plain steps):',
+            Table(['nodes/row', 'responses'] + list(records), taus,
+                  align='rr' + 'l' * len(records))])
 
 
 def main(argv):

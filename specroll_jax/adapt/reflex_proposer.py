@@ -55,6 +55,10 @@ class ReflexProposer(Proposer):
   def feedback_top_m(self) -> int:
     return self.heads.feedback_top_m
 
+  @property
+  def feature_layers(self) -> tuple:
+    return self.heads.feature_layers
+
   def init(self, prompt_tokens, seqs) -> ReflexProposerState:
     h = self.heads
     batch, max_steps = seqs.tokens.shape

@@ -234,10 +234,21 @@ def padded_sequence_features(config: ModelConfig, params, tokens, layers: tuple)
   `layers` (0-based), of a full-sequence forward over right-padded rows (-1 = padding):
   the pairs of a drafter that fuses layer features."""
   safe, positions, mask, _ = _padded_inputs(tokens)
+  features, _ = apply_with_features(Transformer(config), params, layers, safe, positions, mask)
+  return features
+
+
+def apply_with_features(model: Transformer, params, layers: tuple, *args):
+  """model(*args), its hidden states widened with the outputs of decoder `layers` (0-based):
+  (features [B, T, (1 + len(layers)) D], the final hidden state first; BlockKV). Captured from
+  the same forward, so the final part is bit for bit what the forward alone returns; without
+  layers it is that forward."""
+  if not layers:
+    return model.apply({'params': params}, *args)
   names = {f'layers_{i}' for i in layers}
-  (hidden, _), captured = Transformer(config).apply(
-      {'params': params}, safe, positions, mask,
+  (hidden, block), captured = model.apply(
+      {'params': params}, *args,
       capture_intermediates=lambda module, method: method == '__call__' and module.name in names,
       mutable=['intermediates'])
   outputs = [captured['intermediates'][f'layers_{i}']['__call__'][0][0] for i in layers]
-  return jnp.concatenate([hidden] + [x.astype(hidden.dtype) for x in outputs], axis=-1)
+  return jnp.concatenate([hidden] + [x.astype(hidden.dtype) for x in outputs], axis=-1), block

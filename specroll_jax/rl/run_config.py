@@ -146,7 +146,8 @@ class DrafterSection:
                        f'at most drafter.model.depth={self.model.depth} depths')
     if self.model.feature_layers:
       raise ValueError(f'config drafter.model.feature_layers={self.model.feature_layers}: '
-                       'rollouts hand proposers the final hidden state only')
+                       'the warm start\'s and the learner\'s distillation pairs carry the '
+                       'final hidden state only (rollouts could draft with layer features)')
     if self.expanded:
       try:
         best_first_counts(self.branching, self.expanded)

@@ -11,7 +11,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer, compute_params
+from specroll_jax.model.transformer import Transformer, apply_with_features, compute_params
 from specroll_jax.rollout import sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -55,21 +55,24 @@ class VanillaEngine(Engine):
 
 
 def decode_one(model: Transformer, params, cache: KVCache, next_logits, seqs: Sequences,
-               seed_key, sampler: sampling.SamplerConfig, eos_ids: tuple):
+               seed_key, sampler: sampling.SamplerConfig, eos_ids: tuple,
+               feature_layers: tuple = ()):
   """The vanilla step: each row draws its next token from `next_logits`, which then runs
-  through the policy alone. Returns (hidden [B, D] at that token, cache, its logits
-  [B, V], seqs). Stages are named scopes, as in the speculative step."""
+  through the policy alone. Returns (the features [B, F] at that token: its final hidden
+  state, then the outputs of decoder `feature_layers` (apply_with_features); cache; its
+  logits [B, V]; seqs). Stages are named scopes, as in the speculative step."""
   positions = seqs.next_positions
   with jax.named_scope('root_draw'):
     tokens, logprobs = sampling.draw_next(next_logits, seed_key, seqs.response_ids, positions,
                                           sampler)
   ones = jnp.ones((tokens.shape[0], 1, 1), bool)
   with jax.named_scope('verify_forward'):
-    hidden, block = model.apply({'params': params}, tokens[:, None], positions[:, None], ones,
-                                cache)
+    features, block = apply_with_features(model, params, feature_layers, tokens[:, None],
+                                          positions[:, None], ones, cache)
   with jax.named_scope('commit'):
     seqs, kept = seqs.append(tokens[:, None], logprobs[:, None], jnp.ones_like(tokens), eos_ids)
     cache = commit(cache, block, jnp.zeros_like(tokens)[:, None], kept)
   with jax.named_scope('project'):
-    logits = model.apply({'params': params}, hidden[:, 0], method=Transformer.project)
-  return hidden[:, 0], cache, logits, seqs
+    logits = model.apply({'params': params}, features[:, 0, :model.config.hidden_size],
+                         method=Transformer.project)
+  return features[:, 0], cache, logits, seqs

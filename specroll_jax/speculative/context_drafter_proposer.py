@@ -11,7 +11,7 @@ keys and values of u_j = F(h_j, e(x_{j+1})); entry j sits at slot j, so a row's 
 long as its longest response (the driver's bucket of max_new_tokens) and compacts with the
 batch like any per-row state. A tree step writes entries n .. n + a (a = accepted nodes):
 entry n from this step's root state (the last verified h_n and the drawn root), entries
-n + i from the verifier's hidden states along the accepted path (Feedback.path_hidden)
+n + i from the verifier's hidden states along the accepted path (Feedback.path_features)
 and the accepted tokens, so nothing from a rejected node enters the cache. A plain step
 (one node per row, or the gate's choice) does not consult the proposer: its positions stay
 empty and are masked out, so later drafts see fewer earlier entries, never wrong ones. So do
@@ -96,7 +96,8 @@ class ContextDrafterProposer(DrafterProposer):
     n = context.seqs.num_generated[:, None]
     # Entry n + i (i = 1..H) from the path's node at depth i - 1 and the token at depth i.
     positions = n + jnp.arange(1, depth + 1)[None, :]
-    inputs = layer.entry(feedback.path_hidden[:, :depth], context.vocab.embed(feedback.drawn))
+    hidden = feedback.path_features[:, :depth, :self.model_config.hidden_size]
+    inputs = layer.entry(hidden, context.vocab.embed(feedback.drawn))
     k, v = layer.keys_values(inputs, positions)
     keys = jnp.concatenate([record.root_key[:, None], k], axis=1)  # [B, H + 1, H, Dh]
     values = jnp.concatenate([record.root_value[:, None], v], axis=1)

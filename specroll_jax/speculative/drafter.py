@@ -9,7 +9,8 @@ same with larger blocks):
   z_0 = h_t,  z_d = f(z_{d-1}, e(y_d)),  q_d = S(W_v z_d)
 
 (or z_0 a fusion of h_t with earlier decoder layers' outputs, `feature_layers`: EAGLE-3's
-low/mid/high features, measured offline so far, experiments.measure.drafter_features)
+low/mid/high features, which the engine captures in its forwards for such a proposer;
+experiments.measure.drafter_features)
 
 where y_1 is the root, y_{d+1} the drafter's own best guess at depth d, e the policy's input
 embedding and W_v the policy's vocabulary projection restricted to a draft vocabulary: the

@@ -136,10 +136,6 @@ class DrafterProposer(Proposer):
     layout = TreeLayout.build(self.paths)
     object.__setattr__(self, 'paths', layout.paths)
     object.__setattr__(self, 'expanded', tuple(int(e) for e in self.expanded))
-    if self.config.feature_layers:
-      raise ValueError(f'drafter feature_layers={self.config.feature_layers}: the engine hands '
-                       'proposers the final hidden state only; a drafter reading layer '
-                       'features is measured offline (experiments.measure.drafter_features)')
     if int(layout.depth.max()) > self.config.depth:
       raise ValueError(f'tree depth {int(layout.depth.max())} exceeds the drafter\'s trained '
                        f'depth {self.config.depth}')
@@ -164,6 +160,10 @@ class DrafterProposer(Proposer):
   @property
   def depth(self) -> int:
     return int(self.layout.depth.max())
+
+  @property
+  def feature_layers(self) -> tuple:
+    return self.config.feature_layers
 
   @property
   def num_candidates(self) -> int:
@@ -222,7 +222,8 @@ class DrafterProposer(Proposer):
     step = lambda z, tokens: drafter_step(self.config, self.model_config, params.weights, z,
                                           context.vocab.embed(tokens))
     laws, expanded_index = self._laws(
-        params, context, levels, first=lambda: step(context.hidden, context.root)[:, None],
+        params, context, levels, first=lambda: step(self.config.first_state(
+            self.model_config, params.weights, context.features), context.root)[:, None],
         advance=lambda depth, slots, tokens, z: step(take_slots(z, slots), tokens))
     candidates, guesses = self.candidates(laws, expanded_index, context)
     return Proposal(candidates=candidates, record=guesses)

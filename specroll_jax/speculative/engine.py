@@ -25,7 +25,7 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer, compute_params
+from specroll_jax.model.transformer import Transformer, apply_with_features, compute_params
 from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -79,7 +79,9 @@ class SpecRowStats:
 class SpecState:
   cache: KVCache
   next_logits: jax.Array   # float32 [B, V] policy logits for each row's next token
-  last_hidden: jax.Array   # [B, D] policy hidden state at each row's last verified position
+  # [B, (1 + L) D] at each row's last verified position: the policy's hidden state, then
+  # the outputs of the proposer's feature layers (StepContext.features)
+  last_features: jax.Array
   seqs: Sequences
   tree_stats: TreeStats
   proposer: Any            # the proposer's per-row state
@@ -138,11 +140,12 @@ class SpecEngine(Engine):
 
   @partial(jax.jit, static_argnums=(0, 4))
   def start(self, params: SpecParams, prompt_tokens, seqs: Sequences, cache_length: int):
-    cache, hidden, logits = prefill(self.model, params.policy, prompt_tokens,
-                                    seqs.prompt_lengths, cache_length)
+    cache, features, logits = prefill(self.model, params.policy, prompt_tokens,
+                                      seqs.prompt_lengths, cache_length,
+                                      self.proposer.feature_layers)
     batch = prompt_tokens.shape[0]
     # A row carries one response for its whole life, so proposer state starts fresh per response.
-    state = SpecState(cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
+    state = SpecState(cache=cache, next_logits=logits, last_features=features, seqs=seqs,
                       tree_stats=TreeStats.zeros(batch, self.proposer.depth),
                       proposer=self.proposer.init(prompt_tokens, seqs),
                       gate=gate.GateState.init(self.gate_config, batch))
@@ -188,7 +191,7 @@ class SpecEngine(Engine):
     with jax.named_scope('root_draw'):
       root, root_logprob = sampling.draw_next(state.next_logits, seed_key, seqs.response_ids,
                                               positions, self.sampler)
-    context = StepContext(state.last_hidden, root, seqs,
+    context = StepContext(state.last_features, root, seqs,
                           Vocabulary(params.policy, self.model_config))
     with jax.named_scope('propose'):
       proposal = self.proposer.propose(params.proposer, state.proposer, context, levels)
@@ -197,8 +200,9 @@ class SpecEngine(Engine):
       tree = build_tree(root, proposal.candidates, jnp.full((batch,), budget, jnp.int32),
                         width, depth)
     with jax.named_scope('verify_forward'):
-      hidden, block = self._verify_forward(params.policy, tree, positions, state.cache)
+      features, block = self._verify_forward(params.policy, tree, positions, state.cache)
     with jax.named_scope('walk'):
+      hidden = features[..., :self.model_config.hidden_size]
       result = walk(tree, self._node_logits(context.vocab, hidden), seed_key, seqs.response_ids,
                     positions, self.sampler, depth, self.model_config.vocab_size, self.top_m)
     with jax.named_scope('commit'):
@@ -206,7 +210,7 @@ class SpecEngine(Engine):
                                                                result.logprobs], axis=1),
                                result.accepted + 1, self.eos_ids)
       cache = commit(state.cache, block, result.path, kept)
-    feedback = result.feedback(running, levels, hidden)
+    feedback = result.feedback(running, levels, features)
     with jax.named_scope('statistics'):
       tree_stats = state.tree_stats.record(feedback, budget, running)
       cost = self.tree_step_cost(batch)  # None: no gate, so every tree counts as paying
@@ -216,7 +220,7 @@ class SpecEngine(Engine):
       proposer_state = self.proposer.observe(params.proposer, state.proposer, context,
                                              proposal, feedback)
     return constrain_rows(self.mesh, SpecState(
-        cache=cache, next_logits=result.last_logits, last_hidden=result.last_hidden(hidden),
+        cache=cache, next_logits=result.last_logits, last_features=result.at_last_node(features),
         seqs=seqs, tree_stats=tree_stats, proposer=proposer_state, gate=gate_state))
 
   def plain_step(self, params: SpecParams, state: SpecState, seed_key) -> SpecState:
@@ -226,11 +230,12 @@ class SpecEngine(Engine):
     carried unchanged, so feedback on proposals made before stops (Reflex's pending
     sketches for these positions never mature)."""
     running = ~state.seqs.done
-    hidden, cache, logits, seqs = decode_one(self.model, params.policy, state.cache,
-                                             state.next_logits, state.seqs, seed_key,
-                                             self.sampler, self.eos_ids)
+    features, cache, logits, seqs = decode_one(self.model, params.policy, state.cache,
+                                               state.next_logits, state.seqs, seed_key,
+                                               self.sampler, self.eos_ids,
+                                               self.proposer.feature_layers)
     return constrain_rows(self.mesh, state.replace(
-        cache=cache, next_logits=logits, last_hidden=hidden, seqs=seqs,
+        cache=cache, next_logits=logits, last_features=features, seqs=seqs,
         tree_stats=state.tree_stats.record_plain(running),
         gate=gate.after_plain(state.gate, running)))
 
@@ -247,10 +252,13 @@ class SpecEngine(Engine):
 
   def _verify_forward(self, policy_params, tree, positions, cache):
     """Every tree node through the policy at once: positions = prefix length + depth, each
-    node attending to the cached prefix and its own ancestors."""
+    node attending to the cached prefix and its own ancestors. Returns (features [B, N, F]:
+    the hidden states, then the proposer's feature layers' outputs; the block's keys and
+    values)."""
     verifier = Transformer(self.model_config, attention_implementation(self.tree_attention))
-    return verifier.apply({'params': policy_params}, tree.tokens, positions[:, None] + tree.depths,
-                          tree.ancestor_mask(self.proposer.depth), cache)
+    return apply_with_features(verifier, policy_params, self.proposer.feature_layers,
+                               tree.tokens, positions[:, None] + tree.depths,
+                               tree.ancestor_mask(self.proposer.depth), cache)
 
   def row_stats(self, state: SpecState) -> SpecRowStats:
     return SpecRowStats(tree=state.tree_stats, proposer=self.proposer.row_stats(state.proposer),

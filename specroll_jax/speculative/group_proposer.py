@@ -285,6 +285,10 @@ class GroupProposer(Proposer):
   def feedback_top_m(self) -> int:
     return self.base.feedback_top_m if self.base else 0
 
+  @property
+  def feature_layers(self) -> tuple:
+    return self.base.feature_layers if self.base else ()
+
   def _chain_parents(self) -> tuple:
     d = self.config.chain_depth
     return tuple(-1 if i == 0 else c * d + i - 1 for c in range(self.config.chains)

@@ -46,6 +46,10 @@ class OracleProposer(Proposer):
   def feedback_top_m(self) -> int:
     return self.base.feedback_top_m if self.base else 0
 
+  @property
+  def feature_layers(self) -> tuple:
+    return self.base.feature_layers if self.base else ()
+
   def init(self, prompt_tokens, seqs):
     return self.base.init(prompt_tokens, seqs) if self.base else None
 

@@ -130,10 +130,17 @@ class Vocabulary:
 @struct.dataclass
 class StepContext:
   """What a proposer may read at a step, per row."""
-  hidden: jax.Array  # [B, D] policy hidden state at the last verified position
+  # [B, (1 + L) D] at the last verified position: the policy's final hidden state h_t, then
+  # the outputs of the proposer's `feature_layers` (L of them; none for most proposers).
+  features: jax.Array
   root: jax.Array    # int32 [B] this step's root draw: candidates at depth 1 follow it
   seqs: Sequences    # the rows' output so far (positions, response ids, done) before the step
   vocab: Vocabulary
+
+  @property
+  def hidden(self) -> jax.Array:
+    """[B, D] the policy's final hidden state h_t at the last verified position."""
+    return self.features[:, :self.vocab.config.hidden_size]
 
 
 @struct.dataclass
@@ -150,9 +157,10 @@ class Feedback:
   accepted: jax.Array      # int32 [B] accepted nodes below the root
   target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
   target_probs: jax.Array  # float32 [B, H, M] their probabilities under the sampler
-  # [B, H + 1, D] the verifier's hidden states along the accepted path, root first (valid
-  # up to depth `accepted`): what a drafter caches about the accepted tokens.
-  path_hidden: jax.Array
+  # [B, H + 1, (1 + L) D] the verifier's features along the accepted path, root first (valid
+  # up to depth `accepted`; laid out as StepContext.features): what a drafter caches about
+  # the accepted tokens.
+  path_features: jax.Array
   levels: int = struct.field(pytree_node=False)  # depths this step's tree could reach
 
   def first_levels(self, depth: int) -> 'Feedback':
@@ -162,7 +170,7 @@ class Feedback:
                     accepted=jnp.minimum(self.accepted, depth),
                     target_ids=self.target_ids[:, :depth],
                     target_probs=self.target_probs[:, :depth],
-                    path_hidden=self.path_hidden[:, :depth + 1],
+                    path_features=self.path_features[:, :depth + 1],
                     levels=min(self.levels, depth))
 
   @property
@@ -203,6 +211,13 @@ class Proposer(abc.ABC):
   def feedback_top_m(self) -> int:
     """M of Feedback.target_ids/target_probs that `observe` reads (0: it reads neither)."""
     return 0
+
+  @property
+  def feature_layers(self) -> tuple:
+    """Decoder layers (0-based) whose outputs the proposer reads beside h_t in
+    StepContext.features and Feedback.path_features (EAGLE-3's fused features); the engine
+    captures them in every forward. (): h_t alone."""
+    return ()
 
   def row_stats(self, state):
     del state

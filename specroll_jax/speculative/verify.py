@@ -35,18 +35,19 @@ class WalkResult:
   target_ids: jax.Array    # int32 [B, H, M] top-M of the policy's distribution at each depth
   target_probs: jax.Array  # float32 [B, H, M] their probabilities (the sampler's transform)
 
-  def last_hidden(self, hidden) -> jax.Array:
-    """[B, D] hidden state at each row's last accepted node (the next step's h_t)."""
+  def at_last_node(self, features) -> jax.Array:
+    """[B, F] of the tree forward's features [B, N, F] at each row's last accepted node (the
+    next step's h_t and layer features)."""
     last_node = self.path[jnp.arange(self.path.shape[0]), self.accepted]
-    return jnp.take_along_axis(hidden, last_node[:, None, None], axis=1)[:, 0]
+    return jnp.take_along_axis(features, last_node[:, None, None], axis=1)[:, 0]
 
-  def feedback(self, running, levels: int, hidden) -> Feedback:
+  def feedback(self, running, levels: int, features) -> Feedback:
     """What proposers and statistics learn from this walk (draws of running rows only),
-    given the tree forward's hidden states [B, N, D]."""
+    given the tree forward's features [B, N, F]."""
     return Feedback(drawn=self.drawn, drew=self.reached & running[:, None],
                     accepted=self.accepted, target_ids=self.target_ids,
                     target_probs=self.target_probs,
-                    path_hidden=jnp.take_along_axis(hidden, self.path[:, :, None], axis=1),
+                    path_features=jnp.take_along_axis(features, self.path[:, :, None], axis=1),
                     levels=levels)
 
 

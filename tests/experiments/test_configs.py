@@ -112,6 +112,11 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   with pytest.raises(ValueError, match=r"drafter.expanded: expanded=\(2, 5, 1\)"):
     run_config(c)
   c.drafter.expanded = ()
+  c.drafter.model.feature_layers = (2, 15)
+  with pytest.raises(ValueError, match=r"feature_layers=\(2, 15\): the warm start's and the "
+                                       "learner's distillation pairs"):
+    run_config(c)
+  c.drafter.model.feature_layers = ()
   c.drafter.branching = (2, 2, 2, 2, 2)
   with pytest.raises(ValueError, match=r"drafter.branching=.*at most drafter.model.depth=4"):
     run_config(c)

@@ -75,7 +75,7 @@ def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_pol
     feedback = Feedback(drawn=jnp.asarray([drawn]), drew=jnp.ones((1, depth), bool),
                         accepted=jnp.asarray([accepted]),
                         target_ids=jnp.zeros((1, depth, 0), jnp.int32),
-                        target_probs=jnp.zeros((1, depth, 0)), path_hidden=path[None],
+                        target_probs=jnp.zeros((1, depth, 0)), path_features=path[None],
                         levels=depth)
     state = proposer.observe(params, state, context, proposal, feedback)
     n += accepted + 1

@@ -12,14 +12,20 @@ from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.adapt.drafter_training import DrafterTraining, train_drafter
 from specroll_jax.model.transformer import (Transformer, padded_sequence_features,
                                              padded_sequence_hidden)
+from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.rollout.sequences import Sequences
+from specroll_jax.rollout.vanilla import VanillaEngine
 from specroll_jax.speculative.draft_vocabulary import frequency_vocabulary
 from specroll_jax.speculative.drafter import (DRAFTER_CONFIG_FILE, DRAFTER_FILE, DrafterConfig,
                                        drafter_step, init_drafter, load_drafter, rms,
                                        save_drafter)
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, TreeLayout, spine_paths
+from specroll_jax.speculative.engine import SpecEngine
+from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
 from specroll_jax.speculative.proposer import StepContext, Vocabulary
+from specroll_jax.speculative.tree import TreeConfig
+from tests.speculative.test_speculative_exactness import LOGPROB_ATOL, LOGPROB_RTOL
 
 CONFIG = DrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=128)
 
@@ -240,11 +246,10 @@ def test_best_first_tree_expands_each_row_most_probable_paths(stories_policy):
     DrafterProposer(policy.config, CONFIG, spine_paths((3, 2, 2)), sampler, expanded=(4, 1))
 
 
-def test_a_drafter_reading_layer_features_trains_saves_and_stays_out_of_rollouts(
-    stories_policy, story_pairs, tmp_path):
+def test_a_drafter_reading_layer_features_trains_and_saves(stories_policy, story_pairs,
+                                                            tmp_path):
   """Pairs with layer features hold the final hidden state first; a fresh fusion reads that
-  part alone; training with them lowers the loss; the fusion's weights round-trip; the
-  engine, which hands proposers the final state only, refuses such a drafter."""
+  part alone; training with them lowers the loss; the fusion's weights round-trip."""
   policy = stories_policy
   last = policy.config.num_layers - 1
   train = story_pairs[0]
@@ -281,5 +286,54 @@ def test_a_drafter_reading_layer_features_trains_saves_and_stays_out_of_rollouts
   assert loaded_config == config
   np.testing.assert_array_equal(np.asarray(loaded.weights['features']['project']['kernel']),
                                 np.asarray(trained.weights['features']['project']['kernel']))
-  with pytest.raises(ValueError, match='final hidden state only'):
-    DrafterProposer(policy.config, config, spine_paths((2, 1)), SamplerConfig())
+
+
+def test_the_engine_hands_a_feature_drafter_a_full_forward_s_features_and_stays_exact(
+    stories_policy):
+  """After the prefill, tree steps and plain steps, each row's features (h_t, then layers 0
+  and 4) are those of one forward over its prompt and response at its last token; with
+  such a drafter under group drafts, rollouts are vanilla's."""
+  policy = stories_policy
+  layers = (0, policy.config.num_layers - 1)
+  config = dataclasses.replace(CONFIG, feature_layers=layers)
+  fresh = init_drafter(config, policy.config, np.arange(0, policy.config.vocab_size, 4), seed=0)
+  params = fresh.replace(weights=jax.tree.map(
+      lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), fresh.weights))
+  sampler = SamplerConfig(temperature=1.0)
+  drafter = DrafterProposer(policy.config, config, spine_paths((2, 2, 1)), sampler)
+  proposer = GroupProposer(GroupDraftConfig(chains=2, chain_depth=3, min_match=1), base=drafter)
+  assert proposer.feature_layers == layers
+  engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=16, max_nodes=8),
+                      sampler, ())
+  engine_params = engine.params(policy.params, params)
+  prompts = [policy.tokenizer.encode(t) for t in ('Once upon a time', 'The cat')]
+  state = Driver(engine, RolloutConfig(max_new_tokens=16, max_batch=2)).first_state(
+      engine_params, prompts, 1)
+  dim, key = policy.config.hidden_size, jax.random.key(0)
+  tree_step, plain_step = jax.jit(engine.tree_step), jax.jit(engine.plain_step)
+  for step in (None, tree_step, tree_step, plain_step, plain_step, tree_step):
+    state = state if step is None else step(engine_params, state, key)
+    for b, prompt in enumerate(prompts):
+      n = int(state.seqs.num_generated[b])
+      tokens = jnp.asarray([prompt + np.asarray(state.seqs.tokens[b, :n]).tolist()])
+      full = np.asarray(padded_sequence_features(policy.config, policy.params, tokens,
+                                                 layers)[0, -1])
+      got = np.asarray(state.last_features[b])
+      # The same sums in other orders (one token, or a tree block over the cache, against
+      # a causal pass over the whole row): measured at most 1.4e-6 of a part's largest
+      # magnitude (1.8e-5 at 12.7, 14 checks); 1e-5 is ~80 float32 ulps of it, the
+      # rounding of 5 layers of 64-term dots and attention sums over <= 24 keys.
+      for part in range(1 + len(layers)):
+        at = slice(part * dim, (part + 1) * dim)
+        np.testing.assert_allclose(got[at], full[at], rtol=0,
+                                   atol=1e-5 * np.abs(full[at]).max())
+  config = RolloutConfig(max_new_tokens=24, max_batch=4)
+  prompts = prompts + [policy.tokenizer.encode('Hi')]
+  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), config).generate(
+      policy.params, prompts, 2, 11)
+  engine = dataclasses.replace(engine, eos_ids=(2,))
+  spec = Driver(engine, config).generate(engine_params, prompts, 2, 11)
+  assert [r.token_ids for r in spec] == [r.token_ids for r in vanilla]
+  for a, b in zip(spec, vanilla):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+  assert sum(float(r.stats.tree.accepted.sum()) for r in spec) > 0

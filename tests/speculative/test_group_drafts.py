@@ -226,9 +226,9 @@ def test_observe_counts_reached_chain_nodes_and_accepted_tokens():
   # depth 1 only.
   feedback = Feedback(drawn=jnp.asarray([[4, 5, 3]]), drew=jnp.ones((1, 3), bool),
                       accepted=jnp.asarray([2]), target_ids=jnp.zeros((1, 3, 2), jnp.int32),
-                      target_probs=jnp.zeros((1, 3, 2)), path_hidden=jnp.zeros((1, 4, 8)),
+                      target_probs=jnp.zeros((1, 3, 2)), path_features=jnp.zeros((1, 4, 8)),
                       levels=3)
-  context = StepContext(hidden=None, root=jnp.asarray([6]), seqs=seqs, vocab=None)
+  context = StepContext(features=None, root=jnp.asarray([6]), seqs=seqs, vocab=None)
   stats = proposer.observe(None, state, context, Proposal(None, record), feedback).stats
   np.testing.assert_allclose(stats.reached, [4.0])   # chain 0 at 1, 2, 3; chain 1 at 1
   np.testing.assert_allclose(stats.hits, [2.0])
