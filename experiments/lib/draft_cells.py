@@ -103,3 +103,42 @@ def proposing_costs(policy, c, built, prompts, sampler, repeats: int = 15) -> di
     costs[name] = statistics.median(ratios)
     jax.clear_caches()
   return costs
+
+
+def step_costs(policy, c, built, prompts, sampler, repeats: int = 15) -> dict:
+  """{name: {'tree': t, 'plain': p}}: at one response and c.cost_nodes nodes, each proposer's
+  whole tree step and its engine's plain step (which also captures the proposer's feature
+  layers, if any) in vanilla steps, every call from its engine's first state on the same
+  prompt, calls of STEPS_PER_CALL steps alternating with vanilla's (median ratios)."""
+  prompts, samples, rollout = cell_workload(c, prompts[:1], 1)
+  vanilla = build_engine(policy, 'vanilla', sampler)
+  vanilla_params = vanilla.params(policy.params)
+  reference = (compiled_steps(vanilla.step), vanilla_params,
+               Driver(vanilla, rollout).first_state(vanilla_params, prompts, samples))
+  timed = {}
+  for name, (proposer, proposer_params) in built.items():
+    engine = fixed_budget_engine(policy, proposer, sampler, c.cost_nodes, 1)
+    params = engine.params(policy.params, proposer_params)
+    state = Driver(engine, rollout).first_state(params, prompts, samples)
+    timed[name, 'tree'] = (compiled_steps(engine.tree_step), params, state)
+    timed[name, 'plain'] = (compiled_steps(engine.plain_step), params, state)
+  key, first_row = jax.random.key(0), jnp.zeros((1,), jnp.int32)
+
+  def seconds(step, params, state):
+    rows = jax.block_until_ready(take_rows(state, first_row))  # the call donates its state
+    start = time.perf_counter()
+    jax.block_until_ready(step(params, rows, key))
+    return time.perf_counter() - start
+
+  for entry in (reference, *timed.values()):
+    seconds(*entry)  # compiles
+  ratios = {k: [] for k in timed}
+  for _ in range(repeats):
+    base = seconds(*reference)
+    for k, entry in timed.items():
+      ratios[k].append(seconds(*entry) / base)
+  costs = {}
+  for (name, kind), values in ratios.items():
+    costs.setdefault(name, {})[kind] = statistics.median(values)
+  jax.clear_caches()
+  return costs

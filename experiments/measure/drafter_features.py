@@ -11,9 +11,10 @@ drafter_kinds' recipe on the same pairs, draft vocabulary and seed (its h_t part
 theirs), so the only difference is the input. Measured: held-out teacher-forced top-1
 agreement with the drawn token, and the policy's mass on the top-1 draft, per depth; then,
 through the rollout engine (which captures the layers in its prefill, tree and plain
-forwards), each variant's proposing cost at one response and tau at c.kind_cells on held-out
-GSM8K test questions with the spine c.drafter_branching, every response checked against
-vanilla's, as experiments.measure.drafter_kinds measures them.
+forwards), each variant's proposing cost and whole tree and plain steps at one response (in
+vanilla steps: the capture is priced in both), and tau at c.kind_cells on held-out GSM8K test
+questions with the spine c.drafter_branching, every response checked against vanilla's, as
+experiments.measure.drafter_kinds measures them.
 """
 import dataclasses
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from absl import app
 from ml_collections import config_flags
 
-from experiments.lib.draft_cells import proposing_costs, run_cell
+from experiments.lib.draft_cells import proposing_costs, run_cell, step_costs
 from experiments.lib.drafter_recipes import SharedPairs, trained
 from experiments.lib.results import Result, Table, command_line, write
 from experiments.lib.workloads import benchmark_prompts, drafter_config
@@ -52,14 +53,16 @@ def measure(c) -> dict:
                                    sampler), params)
   prompts = benchmark_prompts(policy, c)
   costs = proposing_costs(policy, c, built, prompts, sampler) if c.kinds_costs else {}
+  steps = step_costs(policy, c, built, prompts, sampler) if c.kinds_costs else {}
   cells = {f'{nodes}/{responses}': run_cell(policy, c, built, prompts, nodes, responses,
                                             sampler)
            for nodes, responses in c.kind_cells}
-  return {'records': records, 'proposing_costs': costs, 'cells': cells}
+  return {'records': records, 'proposing_costs': costs, 'step_costs': steps, 'cells': cells}
 
 
 def report(c, measured) -> Result:
   records, costs, cells = measured['records'], measured['proposing_costs'], measured['cells']
+  steps = measured['step_costs']
   depth = len(next(iter(records.values()))['top1_by_depth'])
   rows = [[name, ', '.join(map(str, r['layers'])) or 'final only']
           + [f'{top1:.3f} ({mass:.3f})' for top1, mass in zip(r['top1_by_depth'],
@@ -69,9 +72,13 @@ def report(c, measured) -> Result:
   taus = [[key.split('/')[0], key.split('/')[1]]
           + [f'{cell[n]["tau"]:.3f} ({cell[n]["identical"]}/{cell[n]["responses"]})'
              for n in records] for key, cell in cells.items()]
-  taus.append(['proposing', '1'] + [f'{costs[n]:.3f}' if n in costs else 'not measured'
-                                    for n in records])
+  priced = lambda table, n, part=None: (f'{table[n] if part is None else table[n][part]:.3f}'
+                                        if n in table else 'not measured')
+  taus += [['proposing', '1'] + [priced(costs, n) for n in records],
+           ['tree step', '1'] + [priced(steps, n, 'tree') for n in records],
+           ['plain step', '1'] + [priced(steps, n, 'plain') for n in records]]
   data = {'backend': 'cpu', 'records': records, 'cells': cells, 'proposing_costs': costs,
+          'step_costs': steps,
           'config': c.to_dict(),
           **{f'{name}_top1_by_depth': r['top1_by_depth'] for name, r in records.items()},
           **{f'{n}_tau_{key.replace("/", "_b")}': cell[n]['tau']
@@ -87,8 +94,9 @@ def report(c, measured) -> Result:
                   + [f'depth {d}' for d in range(1, depth + 1)] + ['loss', 'minutes'], rows,
                   align='ll' + 'r' * (depth + 2)),
             f'Through the engine, the spine {tuple(c.drafter_branching)}: tau at T = '
-            f'{c.temperature} (identical to vanilla / responses); last row: proposing cost at '
-            f'one response and {c.cost_nodes} nodes (plain steps):',
+            f'{c.temperature} (identical to vanilla / responses); last rows: at one response and '
+            f'{c.cost_nodes} nodes, proposing, the whole tree step and the engine\'s plain '
+            'step (which captures the layers too), in vanilla steps:',
             Table(['nodes/row', 'responses'] + list(records), taus,
                   align='rr' + 'l' * len(records))])
 
