@@ -49,25 +49,29 @@ class DistillConfig:
   draft_vocab_size: int = 0
 
 
-@partial(jax.jit, static_argnums=(0, 3))
-def policy_targets(model_config: ModelConfig, params, tokens, top_k: int):
-  """One forward over padded sequences -> hidden states and top-K next-token log-probs."""
-  hidden, _, _ = padded_sequence_hidden(model_config, params, tokens)
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def policy_targets(model_config: ModelConfig, params, tokens, top_k: int,
+                   feature_layers: tuple = ()):
+  """One forward over padded sequences -> hidden states (widened with the outputs of decoder
+  `feature_layers`: padded_sequence_hidden) and top-K next-token log-probs."""
+  features, _, _ = padded_sequence_hidden(model_config, params, tokens, feature_layers)
+  hidden = features[..., :model_config.hidden_size]
   batch, width, dim = hidden.shape
   ids, logp = map_projected(model_config, params, hidden.reshape(-1, dim),
                             lambda logits: top_targets(logits, top_k))
-  return hidden, ids.reshape(batch, width, top_k), logp.reshape(batch, width, top_k)
+  return features, ids.reshape(batch, width, top_k), logp.reshape(batch, width, top_k)
 
 
 def build_batch(model_config: ModelConfig, params, sequences: list[list[int]], width: int,
-                top_k: int) -> DistillPairs:
-  """Pads token sequences to `width` (-1 = padding) and runs the policy over them."""
+                top_k: int, feature_layers: tuple = ()) -> DistillPairs:
+  """Pads token sequences to `width` (-1 = padding) and runs the policy over them (its
+  hidden states widened with the outputs of decoder `feature_layers`)."""
   tokens = np.full((len(sequences), width), -1, np.int32)
   for i, seq in enumerate(sequences):
     seq = seq[:width]
     tokens[i, :len(seq)] = seq
   tokens = jnp.asarray(tokens)
-  hidden, ids, logp = policy_targets(model_config, params, tokens, top_k)
+  hidden, ids, logp = policy_targets(model_config, params, tokens, top_k, tuple(feature_layers))
   return DistillPairs(hidden=hidden, target_ids=ids, target_logp=logp,
                       tokens=jnp.maximum(tokens, 0), valid=tokens >= 0)
 
@@ -171,12 +175,13 @@ def rank_hits(heads_config: HeadsConfig, model_config: ModelConfig, head_params,
 
 
 def stack_batches(model_config: ModelConfig, params, sequences, width: int, top_k: int,
-                  chunk: int = 16) -> DistillPairs:
+                  chunk: int = 16, feature_layers: tuple = ()) -> DistillPairs:
   """build_batch over chunks of sequences (bounded memory), concatenated on the host.
 
   16 sequences per forward: on SmolLM2 (330-token rows) the forward peaked at 1.66 GB
   resident with 16 and 2.42 GB with 64 (1.23 GB is the loaded policy)."""
-  chunks = [build_batch(model_config, params, sequences[i:i + chunk], width, top_k)
+  chunks = [build_batch(model_config, params, sequences[i:i + chunk], width, top_k,
+                        feature_layers)
             for i in range(0, len(sequences), chunk)]
   return jax.tree.map(lambda *xs: np.concatenate(xs), *chunks)
 
@@ -229,9 +234,11 @@ class WarmStartResult:
   rank_hit_rate_after: np.ndarray
 
 
-def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[DistillPairs, DistillPairs]:
+def generated_pairs(policy, prompts, plan: WarmStart, top_k: int,
+                    feature_layers: tuple = ()) -> tuple[DistillPairs, DistillPairs]:
   """(training, held-out) pairs over the policy's own generations from `prompts`: the
-  response spans, with the policy's top-`top_k` targets at every position."""
+  response spans, with the policy's top-`top_k` targets at every position (and the outputs
+  of decoder `feature_layers` beside the hidden states)."""
   total = plan.num_sequences + plan.held_out
   prompt_rows = [prompts[i % len(prompts)] for i in range(total)]
   engine = build_engine(policy, 'vanilla', SamplerConfig(temperature=plan.temperature))
@@ -245,9 +252,11 @@ def generated_pairs(policy, prompts, plan: WarmStart, top_k: int) -> tuple[Disti
   starts = jnp.asarray([len(p) - 1 for p in prompt_rows], jnp.int32)
   spans = lambda batch, rows: response_spans(batch, starts[rows], plan.max_new_tokens + 1)
   train = spans(stack_batches(policy.config, policy.params, sequences[:plan.num_sequences],
-                              width, top_k), slice(0, plan.num_sequences))
+                              width, top_k, feature_layers=feature_layers),
+                slice(0, plan.num_sequences))
   held = spans(stack_batches(policy.config, policy.params, sequences[plan.num_sequences:],
-                             width, top_k), slice(plan.num_sequences, total))
+                             width, top_k, feature_layers=feature_layers),
+               slice(plan.num_sequences, total))
   return train, held
 
 

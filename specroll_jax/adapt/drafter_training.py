@@ -208,7 +208,8 @@ def warm_start_drafter(policy, config: DrafterConfig, training: DrafterTraining,
                        plan: WarmStart, directory, source: str):
   """Generates, trains and saves a drafter; returns (params, metadata)."""
   start = time.perf_counter()
-  train, held = generated_pairs(policy, prompts, plan, training.target_top_k)
+  train, held = generated_pairs(policy, prompts, plan, training.target_top_k,
+                                config.feature_layers)
   params, loss = train_drafter(policy, config, training, train, plan.seed)
   top1, mass = agreement_rates(config, policy.config, params, policy.params, held)
   metadata = DrafterMetadata(

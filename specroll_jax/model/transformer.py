@@ -219,13 +219,14 @@ def _padded_inputs(tokens):
   return jnp.where(valid, tokens, 0), positions, causal_mask(valid), valid
 
 
-def padded_sequence_hidden(config: ModelConfig, params, tokens):
+def padded_sequence_hidden(config: ModelConfig, params, tokens, layers: tuple = ()):
   """Full-sequence forward over right-padded rows (-1 = padding), as learners need it.
 
-  Returns (hidden [B, T, D], tokens with padding as 0, valid mask [B, T]).
+  Returns (hidden [B, T, D], widened to [B, T, (1 + len(layers)) D] with the outputs of
+  decoder `layers` (apply_with_features); tokens with padding as 0; valid mask [B, T]).
   """
   safe, positions, mask, valid = _padded_inputs(tokens)
-  hidden, _ = Transformer(config).apply({'params': params}, safe, positions, mask)
+  hidden, _ = apply_with_features(Transformer(config), params, layers, safe, positions, mask)
   return hidden, safe, valid
 
 
@@ -233,9 +234,7 @@ def padded_sequence_features(config: ModelConfig, params, tokens, layers: tuple)
   """[B, T, (1 + len(layers)) D]: the final hidden state, then the outputs of decoder
   `layers` (0-based), of a full-sequence forward over right-padded rows (-1 = padding):
   the pairs of a drafter that fuses layer features."""
-  safe, positions, mask, _ = _padded_inputs(tokens)
-  features, _ = apply_with_features(Transformer(config), params, layers, safe, positions, mask)
-  return features
+  return padded_sequence_hidden(config, params, tokens, layers)[0]
 
 
 def apply_with_features(model: Transformer, params, layers: tuple, *args):

@@ -96,6 +96,13 @@ class ContextDrafterKind(DrafterKind):
   proposer_type = ContextDrafterProposer
   directory_name = 'context_drafter'
 
+  def check(self, config: RunConfig) -> None:
+    super().check(config)
+    try:
+      self.static_config(config)
+    except ValueError as error:
+      raise ValueError(f'config drafter.model: {error}') from None
+
   def static_config(self, config: RunConfig) -> ContextDrafterConfig:
     return ContextDrafterConfig.from_block(config.drafter.model, config.drafter.context_heads)
 

@@ -57,6 +57,9 @@ class GRPOConfig:
   # > 0: harvest only each row's positions [last prompt position, + harvest_span), the
   # pairs whose horizon lies in the response; 0: whole rows.
   harvest_span: int = 0
+  # Decoder layers whose outputs widen the harvested pairs' hidden states, after the final
+  # one: a drafter's that fuses layer features (speculative/drafter.py); (): h_t alone.
+  harvest_feature_layers: tuple = ()
   # > 0: project onto the vocabulary only each row's positions [last prompt position,
   # + score_span), the predictions of its response tokens; the prompt's and the padding's
   # are never read by the loss (on the SmolLM2 job they are 5 of every 9 positions). The
@@ -80,6 +83,9 @@ class GRPOConfig:
     return self.lora_alpha / self.lora_rank
 
   def __post_init__(self):
+    # A static argument of the compiled update: hashable, whatever sequence it was given.
+    object.__setattr__(self, 'harvest_feature_layers',
+                       tuple(int(i) for i in self.harvest_feature_layers))
     if self.group_size < 1:
       raise ValueError(f'group_size must be >= 1, got {self.group_size}')
     if not 0.0 <= self.clip_epsilon_low < 1.0:
@@ -199,19 +205,22 @@ def _streamed_token_scores(config: ModelConfig, params, hidden, targets, scale: 
 
 def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
                     harvest_top_k: int = 0, harvest_span: int = 0, starts=None,
-                    stream_logits: bool = False, score_span: int = 0):
+                    stream_logits: bool = False, score_span: int = 0,
+                    harvest_feature_layers: tuple = ()):
   """log pi(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, [B, T] each,
   and, when harvest_top_k > 0, the slow path's head-training pairs from this same forward
-  (hidden states and the policy's top-K next-token distribution; else None): over whole
-  rows, or with harvest_span > 0 over positions [starts, + harvest_span) per row,
-  which takes the top-K of those positions only.
+  (hidden states, widened with the outputs of `harvest_feature_layers`, and the policy's
+  top-K next-token distribution; else None): over whole rows, or with harvest_span > 0 over
+  positions [starts, + harvest_span) per row, which takes the top-K of those positions only.
 
   With score_span > 0 only positions [starts, + score_span) are projected, so only tokens
   starts + 1 .. starts + score_span are scored. Index 0, padding and unscored tokens hold 0.
   The scaling is the sampler's (sampling.token_logprob): softmax(logits / T), T = 1 for
   greedy, before any top-k/top-p filtering.
   """
-  hidden, safe, valid = padded_sequence_hidden(config, params, tokens)
+  features, safe, valid = padded_sequence_hidden(
+      config, params, tokens, harvest_feature_layers if harvest_top_k else ())
+  hidden = features[..., :config.hidden_size]
   rows, width = tokens.shape
   scale = 1.0 if temperature == 0 else temperature
   # Position t predicts token t + 1; the last position predicts nothing in the batch.
@@ -250,7 +259,7 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
       span_logits = (take_positions(logits, projected) if logits is not None and not score_span
                      else _project(config, params, take_positions(hidden, projected)))
     ids, target_logp = jax.lax.stop_gradient(top_targets(span_logits, harvest_top_k))
-    pairs = DistillPairs(hidden=jax.lax.stop_gradient(take(hidden)), target_ids=ids,
+    pairs = DistillPairs(hidden=jax.lax.stop_gradient(take(features)), target_ids=ids,
                       target_logp=target_logp, tokens=take(safe), valid=take(valid) & inside)
   return shift(logp), shift(entropy), pairs
 
@@ -341,7 +350,8 @@ def _loss_and_pairs(model_config: ModelConfig, config: GRPOConfig, params, batch
   logprobs, entropy, pairs = _scored_forward(model_config, policy_params(config, params, base),
                                              batch.tokens, config.temperature,
                                              config.harvest_top_k, config.harvest_span, starts,
-                                             config.stream_logits, config.score_span)
+                                             config.stream_logits, config.score_span,
+                                             config.harvest_feature_layers)
   if config.learner_old_logprobs:
     batch = batch.replace(old_logprobs=jnp.where(batch.response_mask,
                                                  jax.lax.stop_gradient(logprobs), 0.0))

@@ -39,12 +39,15 @@ class Learner:
   """
 
   def __init__(self, config: grpo.GRPOConfig, policy: Policy, width: int, mesh, *,
-               harvest_top_k: int, drift_kl_every: int, seed: int):
+               harvest_top_k: int, harvest_feature_layers: tuple, drift_kl_every: int,
+               seed: int):
     self.model_config, self.width, self.mesh = policy.config, width, mesh
     self.config = config
-    # The harvest's span is the loss's: one projection serves both.
+    # The harvest's span is the loss's: one projection serves both. Its pairs carry the
+    # layer features the learned proposer reads (none for heads).
     self.harvest_config = dataclasses.replace(config, harvest_top_k=harvest_top_k,
-                                              harvest_span=config.score_span)
+                                              harvest_span=config.score_span,
+                                              harvest_feature_layers=harvest_feature_layers)
     self.optimizer = grpo.make_optimizer(self.config)
     # One copy of every array, sharded by the mesh's rules: rollouts and learner share it.
     self.initial_policy = shard_params(mesh, policy.params)

@@ -108,6 +108,7 @@ def make_run(c: RunConfig, workdir) -> tuple[Run, TrainState]:
   proposer = make_proposer(policy, c, warm)
   adaptation = None if kind is None else kind.adaptation(policy, c, warm, proposer)
   learner = Learner(c.grpo, policy, width, mesh, harvest_top_k=c.adaptation.harvest_top_k,
+                    harvest_feature_layers=proposer.feature_layers if proposer else (),
                     drift_kl_every=c.metrics.drift_kl_every, seed=c.seed)
   checkpoints, state = _latest_state(workdir, learner, adaptation, warm, mesh, primary)
   first = step_indices(int(state.data_position), c.rollout.prompts_per_step, len(tasks))

@@ -38,8 +38,9 @@ from specroll_jax.tasks.rewards import REWARD_RULES
 DRIVER_DERIVED = ('prompt_bucket_min', 'prompt_buckets_per_octave')
 TREE_DERIVED = ('capacity_by_batch', 'sized_widths', 'one_projection')
 # GRPO's fields that are the rollout's (group size, temperature, the scored span) or the
-# adaptation's (harvest_top_k), not the grpo section's.
-GRPO_DERIVED = ('group_size', 'temperature', 'harvest_top_k', 'score_span')
+# adaptation's (harvest_top_k; the layers the learned proposer reads), not the grpo section's.
+GRPO_DERIVED = ('group_size', 'temperature', 'harvest_top_k', 'score_span',
+                'harvest_feature_layers')
 # static: warm-started heads, never adapted; online: heads retrained on every batch (the
 # FastGRPO-like baseline); reflex / slow: one timescale; both: SpecRoll.
 ADAPTATION_MODES = ('static', 'online', 'reflex', 'slow', 'both')
@@ -144,10 +145,6 @@ class DrafterSection:
         or len(self.branching) > self.model.depth):
       raise ValueError(f'config drafter.branching={self.branching}: one width >= 1 per depth, '
                        f'at most drafter.model.depth={self.model.depth} depths')
-    if self.model.feature_layers:
-      raise ValueError(f'config drafter.model.feature_layers={self.model.feature_layers}: '
-                       'the warm start\'s and the learner\'s distillation pairs carry the '
-                       'final hidden state only (rollouts could draft with layer features)')
     if self.expanded:
       try:
         best_first_counts(self.branching, self.expanded)

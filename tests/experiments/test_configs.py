@@ -113,9 +113,12 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
     run_config(c)
   c.drafter.expanded = ()
   c.drafter.model.feature_layers = (2, 15)
-  with pytest.raises(ValueError, match=r"feature_layers=\(2, 15\): the warm start's and the "
-                                       "learner's distillation pairs"):
+  run_config(c)  # its warm start's and harvests' pairs carry layers 2 and 15 beside h_t
+  c.rollout.proposers = 'context_drafter,group'
+  with pytest.raises(ValueError, match=r"config drafter.model: ContextDrafterConfig: "
+                                       r"feature_layers=\(2, 15\)"):
     run_config(c)
+  c.rollout.proposers = 'drafter,group'
   c.drafter.model.feature_layers = ()
   c.drafter.branching = (2, 2, 2, 2, 2)
   with pytest.raises(ValueError, match=r"drafter.branching=.*at most drafter.model.depth=4"):

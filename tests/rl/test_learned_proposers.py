@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from configs.tiny_math import get_config
+from specroll_jax.adapt import distill
 from specroll_jax.model.mesh import MeshConfig, make_mesh
 from specroll_jax.rl.adaptation import ProposerState, WarmStarted
 from specroll_jax.rl.learned_proposers import KINDS, PROPOSERS, parse_proposers, saved_kind_name
@@ -75,6 +76,28 @@ def test_a_saved_proposer_is_found_loaded_and_drafts_by_its_kind(kind, stories_p
     np.testing.assert_array_equal(np.asarray(saved), np.asarray(read))
   proposer = KINDS[kind].drafting(stories_policy, loaded, SamplerConfig(), (2, 1))
   assert proposer.depth == 2
+
+
+def test_a_run_s_drafter_reading_layer_features_gets_them_in_rollouts_and_pairs(
+    stories_policy, tmp_path):
+  """drafter.model.feature_layers: the run's proposer asks the engine for those layers (the
+  learner harvests them too: run.py), and the warm start's pairs carry them beside h_t, whose
+  part and targets are the plain pairs' bit for bit."""
+  policy = stories_policy
+  c = get_config()
+  c.rollout.proposers, c.adaptation.mode, c.mesh.data = 'drafter,group', 'slow', 1
+  c.drafter.model.feature_layers = (0,)
+  warm = _fresh('drafter', run_config(c), policy, tmp_path)
+  assert make_proposer(policy, run_config(c), warm).feature_layers == (0,)
+  rows = [[1, 5, 9, 11, 40], [1, 7]]
+  wide = distill.build_batch(policy.config, policy.params, rows, 6, 4, feature_layers=(0,))
+  plain = distill.build_batch(policy.config, policy.params, rows, 6, 4)
+  dim = policy.config.hidden_size
+  assert wide.hidden.shape[-1] == 2 * dim
+  np.testing.assert_array_equal(np.asarray(wide.hidden[..., :dim]), np.asarray(plain.hidden))
+  for name in ('target_ids', 'target_logp', 'tokens', 'valid'):
+    np.testing.assert_array_equal(np.asarray(getattr(wide, name)),
+                                  np.asarray(getattr(plain, name)))
 
 
 def test_a_directory_without_a_saved_proposer_is_an_error_naming_it(tmp_path):
