@@ -20,7 +20,7 @@ from specroll_jax.rl.metrics import EVENTS_DIR, MetricsLog, scalars, truncate_me
 from specroll_jax.rl.run import STEP_COSTS_FILE
 from specroll_jax.rl.trainer import train
 from specroll_jax.speculative.context_drafter import ContextDrafterConfig
-from specroll_jax.speculative.drafter import DrafterConfig, load_drafter
+from specroll_jax.speculative.drafter import FEATURES, DrafterConfig, load_drafter
 from specroll_jax.tasks.rewards import REWARD_RULES
 from tests.conftest import FIXTURE_DATA, REPO, STORIES
 from tests.tensorboard_events import read_events
@@ -105,12 +105,13 @@ def test_specroll_and_vanilla_training_agree(tmp_path, vanilla_run):
   assert all(max(m['reflex_gate']) > 0 for m in a)
 
 
-def _slow_path_trains_the_block(tmp_path, vanilla_run, policy, kind: str, config_type):
+def _slow_path_trains_the_block(tmp_path, vanilla_run, policy, kind: str, config_type,
+                                **extra):
   """A run whose slow path trains the drafter of `kind` on every window after the first:
   the same training as vanilla's, the block changed and kept, its vocabulary not.
   Returns (overrides, metrics, the trained params)."""
   overrides = {**ALWAYS_TRIGGER, 'adaptation.mode': 'slow', 'rollout.proposers': kind,
-               'adaptation.consolidation.rollback': True}
+               'adaptation.consolidation.rollback': True, **extra}
   spec = _trained_with_trees(tmp_path / 'spec', **overrides)
   a = _same_training(tmp_path / 'spec', vanilla_run)
   assert spec['tau'] >= 1.0 and a[1]['triggered'], a[1]
@@ -131,6 +132,20 @@ def test_context_drafter_slow_path_trains_its_layer_and_changes_no_token(tmp_pat
                                                                          stories_policy):
   _slow_path_trains_the_block(tmp_path, vanilla_run, stories_policy, 'context_drafter',
                               ContextDrafterConfig)
+
+
+def test_a_drafter_reading_layer_features_trains_its_fusion_and_changes_no_token(
+    tmp_path, vanilla_run, stories_policy):
+  """Its warm start, rollouts and harvests carry layers 0 and 4 beside h_t; the slow path
+  trains the fusion with the block."""
+  _, _, trained = _slow_path_trains_the_block(tmp_path, vanilla_run, stories_policy, 'drafter',
+                                              DrafterConfig,
+                                              **{'drafter.model.feature_layers': (0, 4)})
+  config, warm = load_drafter(tmp_path / 'spec' / 'drafter', stories_policy.config)
+  assert config.feature_layers == (0, 4)
+  fusion = zip(jax.tree.leaves(trained['params']['weights'][FEATURES]),
+               jax.tree.leaves(warm.weights[FEATURES]))
+  assert any(not np.array_equal(x, y) for x, y in fusion)
 
 
 def test_drafter_slow_path_trains_its_block_and_changes_no_token(tmp_path, vanilla_run,
