@@ -22,7 +22,7 @@ import optax
 from tqdm import tqdm
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.model.transformer import padded_sequence_hidden
+from specroll_jax.model.transformer import final_hidden, padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rollout.driver import Driver, RolloutConfig
 from specroll_jax.rollout.sampling import SamplerConfig
@@ -55,7 +55,7 @@ def policy_targets(model_config: ModelConfig, params, tokens, top_k: int,
   """One forward over padded sequences -> hidden states (widened with the outputs of decoder
   `feature_layers`: padded_sequence_hidden) and top-K next-token log-probs."""
   features, _, _ = padded_sequence_hidden(model_config, params, tokens, feature_layers)
-  hidden = features[..., :model_config.hidden_size]
+  hidden = final_hidden(model_config, features)
   batch, width, dim = hidden.shape
   ids, logp = map_projected(model_config, params, hidden.reshape(-1, dim),
                             lambda logits: top_targets(logits, top_k))

@@ -2,7 +2,8 @@
 import jax.numpy as jnp
 
 from specroll_jax.model.kv_cache import KVCache, commit
-from specroll_jax.model.transformer import Transformer, apply_with_features, causal_mask
+from specroll_jax.model.transformer import (Transformer, apply_with_features, causal_mask,
+                                            final_hidden)
 
 
 def prefill(model: Transformer, params, prompt_tokens, prompt_lengths, cache_length: int,
@@ -20,6 +21,6 @@ def prefill(model: Transformer, params, prompt_tokens, prompt_lengths, cache_len
   cache = KVCache.zeros(model.config, batch, cache_length)
   cache = commit(cache, block, positions, prompt_lengths)
   last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-  logits = model.apply({'params': params}, last[:, :model.config.hidden_size],
+  logits = model.apply({'params': params}, final_hidden(model.config, last),
                        method=Transformer.project)
   return cache, last, logits

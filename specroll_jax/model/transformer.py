@@ -251,3 +251,9 @@ def apply_with_features(model: Transformer, params, layers: tuple, *args):
       mutable=['intermediates'])
   outputs = [captured['intermediates'][f'layers_{i}']['__call__'][0][0] for i in layers]
   return jnp.concatenate([hidden] + [x.astype(hidden.dtype) for x in outputs], axis=-1), block
+
+
+def final_hidden(config: ModelConfig, features):
+  """The final hidden states [..., D] inside features laid out as apply_with_features lays
+  them out (their first part; all of them without layers)."""
+  return features[..., :config.hidden_size]

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from specroll_jax.model import invariant
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.mesh import ROWS, optimizer_sharding, param_sharding
-from specroll_jax.model.transformer import Transformer, padded_sequence_hidden
+from specroll_jax.model.transformer import Transformer, final_hidden, padded_sequence_hidden
 from specroll_jax.model.vocab_chunks import map_projected
 from specroll_jax.rl import lora
 from specroll_jax.speculative.pairs import DistillPairs, span_positions, take_positions, top_targets
@@ -220,7 +220,7 @@ def _scored_forward(config: ModelConfig, params, tokens, temperature: float,
   """
   features, safe, valid = padded_sequence_hidden(
       config, params, tokens, harvest_feature_layers if harvest_top_k else ())
-  hidden = features[..., :config.hidden_size]
+  hidden = final_hidden(config, features)
   rows, width = tokens.shape
   scale = 1.0 if temperature == 0 else temperature
   # Position t predicts token t + 1; the last position predicts nothing in the batch.

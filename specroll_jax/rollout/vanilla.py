@@ -11,7 +11,8 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer, apply_with_features, compute_params
+from specroll_jax.model.transformer import (Transformer, apply_with_features, compute_params,
+                                            final_hidden)
 from specroll_jax.rollout import sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -73,6 +74,6 @@ def decode_one(model: Transformer, params, cache: KVCache, next_logits, seqs: Se
     seqs, kept = seqs.append(tokens[:, None], logprobs[:, None], jnp.ones_like(tokens), eos_ids)
     cache = commit(cache, block, jnp.zeros_like(tokens)[:, None], kept)
   with jax.named_scope('project'):
-    logits = model.apply({'params': params}, features[:, 0, :model.config.hidden_size],
+    logits = model.apply({'params': params}, final_hidden(model.config, features[:, 0]),
                          method=Transformer.project)
   return features[:, 0], cache, logits, seqs

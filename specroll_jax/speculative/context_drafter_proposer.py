@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specroll_jax.model.transformer import final_hidden
 from specroll_jax.speculative.context_drafter import Layer
 from specroll_jax.speculative.drafter import DrafterParams
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, take_slots
@@ -96,7 +97,7 @@ class ContextDrafterProposer(DrafterProposer):
     n = context.seqs.num_generated[:, None]
     # Entry n + i (i = 1..H) from the path's node at depth i - 1 and the token at depth i.
     positions = n + jnp.arange(1, depth + 1)[None, :]
-    hidden = feedback.path_features[:, :depth, :self.model_config.hidden_size]
+    hidden = final_hidden(self.model_config, feedback.path_features[:, :depth])
     inputs = layer.entry(hidden, context.vocab.embed(feedback.drawn))
     k, v = layer.keys_values(inputs, positions)
     keys = jnp.concatenate([record.root_key[:, None], k], axis=1)  # [B, H + 1, H, Dh]

@@ -25,7 +25,8 @@ from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.kv_cache import KVCache, commit
 from specroll_jax.model.mesh import constrain_rows
 from specroll_jax.model.prefill import prefill
-from specroll_jax.model.transformer import Transformer, apply_with_features, compute_params
+from specroll_jax.model.transformer import (Transformer, apply_with_features, compute_params,
+                                            final_hidden)
 from specroll_jax.rollout import response, sampling
 from specroll_jax.rollout.engine import Engine
 from specroll_jax.rollout.sequences import Sequences
@@ -202,7 +203,7 @@ class SpecEngine(Engine):
     with jax.named_scope('verify_forward'):
       features, block = self._verify_forward(params.policy, tree, positions, state.cache)
     with jax.named_scope('walk'):
-      hidden = features[..., :self.model_config.hidden_size]
+      hidden = final_hidden(self.model_config, features)
       result = walk(tree, self._node_logits(context.vocab, hidden), seed_key, seqs.response_ids,
                     positions, self.sampler, depth, self.model_config.vocab_size, self.top_m)
     with jax.named_scope('commit'):

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from specroll_jax.model.config import ModelConfig
-from specroll_jax.model.transformer import Transformer
+from specroll_jax.model.transformer import Transformer, final_hidden
 from specroll_jax.rollout.sequences import Sequences
 
 
@@ -140,7 +140,7 @@ class StepContext:
   @property
   def hidden(self) -> jax.Array:
     """[B, D] the policy's final hidden state h_t at the last verified position."""
-    return self.features[:, :self.vocab.config.hidden_size]
+    return final_hidden(self.vocab.config, self.features)
 
 
 @struct.dataclass
