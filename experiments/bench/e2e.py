@@ -39,7 +39,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/bench_smol_paper.py
 LEARNING_KEYS = ('rollout_digest', 'reward', 'accuracy', 'response_length', 'loss',
                  'policy_loss', 'grad_norm', 'ratio', 'entropy', 'clip_fraction',
                  'update_skipped')
-LEARNER_PHASES = ('reward', 'logprobs', 'update', 'head_update')
+LEARNER_PHASES = ('reward', 'logprobs', 'update', 'proposer_update')
 
 
 def check_steps(c) -> None:
@@ -110,7 +110,7 @@ def adaptation_comparison(c, rows: dict) -> dict:
   if 'slow' not in modes or 'online' not in modes:
     return {'slow_over_online_tau': None, 'slow_update_share_of_online': None}
   slow, online = rows[modes['slow']], rows[modes['online']]
-  slow_seconds, online_seconds = (totals(r)['head_update'] for r in (slow, online))
+  slow_seconds, online_seconds = (totals(r)['proposer_update'] for r in (slow, online))
   return {'slow_over_online_tau': quarter_tau(slow)[1] / quarter_tau(online)[1],
           'slow_update_share_of_online':
               slow_seconds / online_seconds if online_seconds else None}

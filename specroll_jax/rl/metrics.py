@@ -38,10 +38,10 @@ def tail_metrics(segments) -> dict:
 
 
 def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, segments,
-                 update: dict, heads: dict, checks: dict, timer: PhaseTimer) -> dict:
+                 update: dict, adaptation: dict, checks: dict, timer: PhaseTimer) -> dict:
   """A step's line: rewards, the rollout (its summary from the engine, its digest and its
-  tail), the heads' adaptation, the checks (audit, held-out evaluation), the update, each
-  phase's seconds, the step's compilations and the process's memory."""
+  tail), the learned proposer's adaptation, the checks (audit, held-out evaluation), the
+  update, each phase's seconds, the step's compilations and the process's memory."""
   return {'step': step, 'reward': float(scores.mean()),
           'accuracy': float((scores == 1.0).mean()),
           'response_length': summary['tokens'] / len(responses),
@@ -49,7 +49,7 @@ def step_metrics(step: int, scores: np.ndarray, responses, summary: dict, segmen
           'tree_step_share': summary.get('tree_step_share'),
           'rollout_digest': rollout_digest(responses), **tail_metrics(segments),
           **{k: v for k, v in summary.items() if k.startswith(SUMMARY_PREFIXES)},
-          **heads, **checks, **update,
+          **adaptation, **checks, **update,
           **{f'time_{k}': v for k, v in timer.seconds.items()},
           'compilations': timer.compilations(), **process_memory()}
 

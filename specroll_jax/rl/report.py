@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from specroll_jax.rl.metrics import TAIL_BUCKET_ROWS  # noqa: E402
 
 HELD_OUT_SUMMARY = ('heldout_updates', 'heldout_reward', 'heldout_accuracy')
-TIME_KEYS = ('rollout', 'audit', 'evaluation', 'reward', 'logprobs', 'update', 'head_update')
+TIME_KEYS = ('rollout', 'audit', 'evaluation', 'reward', 'logprobs', 'update', 'proposer_update')
 
 
 def _window_mean(rows, key, window):

@@ -69,23 +69,23 @@ def step(run: Run, state: TrainState) -> tuple[TrainState, dict]:
     scores = scored(c.task.reward, tasks, responses, run.policy.tokenizer)
   with timer('logprobs'):
     batch = run.learner.batch(prompts, responses, scores)
-  heads, triggered, head_metrics = state.heads, np.zeros(0, bool), {}
-  with timer('head_update'):
+  proposer, triggered, proposer_metrics = state.heads, np.zeros(0, bool), {}
+  with timer('proposer_update'):
     if run.adaptation is not None:
-      heads, triggered, head_metrics = run.adaptation.observe(heads, responses)
+      proposer, triggered, proposer_metrics = run.adaptation.observe(proposer, responses)
   with timer('update'):
     updated, update, pairs = run.learner.update(state, batch, harvest=triggered.any())
   if triggered.any():
-    with timer('head_update'):
-      heads, consolidated = run.adaptation.consolidate(
-          heads, triggered, policy_params, pairs, [r.prompt_index for r in responses], seed)
-    head_metrics.update(consolidated)
+    with timer('proposer_update'):
+      proposer, consolidated = run.adaptation.consolidate(
+          proposer, triggered, policy_params, pairs, [r.prompt_index for r in responses], seed)
+    proposer_metrics.update(consolidated)
   if due(c.metrics.drift_kl_every, number):
-    head_metrics['drift_kl'] = run.learner.drift_kl(batch)
-  state = updated.replace(step=number, heads=heads,
+    proposer_metrics['drift_kl'] = run.learner.drift_kl(batch)
+  state = updated.replace(step=number, heads=proposer,
                           data_position=run.next_position(int(state.data_position)))
   metrics = step_metrics(number, scores, responses, run.rollouts.engine.summarize(responses),
-                         segments, update, head_metrics, checks, timer)
+                         segments, update, proposer_metrics, checks, timer)
   run.metrics.append(metrics)
   if due(c.checkpoint_every, number) or number == c.steps:
     with timer('checkpoint'):
