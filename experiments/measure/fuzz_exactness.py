@@ -5,141 +5,34 @@
 A case is a random tiny policy (vocabulary, width, depth, attention heads, tied or not, how
 peaked its next-token distributions are), random draft heads (fresh, random or
 deliberately bad, 1-4 of them with random branching), a proposer (static heads, Reflex with
-its gate forced open, group drafts over Reflex, the oracle, or the sequential drafter alone
-or under group drafts, over half the vocabulary, as fresh, random or bad as the heads), a
-tree budget, a batch
+its gate forced open, group drafts over Reflex, the oracle, or a drafter alone or under group
+drafts: the sequential one, which may fuse random decoder layers' features with h_t, or the
+context-attending one; over half the vocabulary, as fresh, random or bad as the heads, with a
+static tree or one grown best-first per row), a tree budget, a batch
 (prompts of random lengths and ids, samples per prompt, the largest batch bucket), an EOS
 id or none, a response length and a sampler (greedy, or temperature / top-k / top-p).
 Greedy cases must be token-identical. A sampled response may differ only where a float
 near-tie explains it: the contract's draw margin at its first differing token, from a
 third forward, is below `audit.NEAR_TIE_MARGIN`; anything else is a contract break. The
-cases come from one hypothesis strategy, which `tests/speculative/test_fuzz_exactness.py`
-also runs (a few cases per suite run); this script runs many and commits what it saw.
+cases come from one hypothesis strategy (experiments/lib/fuzz_cases.py), which
+`tests/speculative/test_fuzz_exactness.py` also runs (a few cases per suite run); this script runs many and commits what it saw.
 """
 import dataclasses
 import time
 
 import hypothesis
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from hypothesis import strategies as st
 
-from specroll_jax.adapt.reflex import ReflexConfig
-from specroll_jax.adapt.reflex_proposer import ReflexProposer
-from specroll_jax.model.config import ModelConfig, RopeConfig
-from specroll_jax.model.policy import Policy
-from specroll_jax.model.transformer import Transformer, causal_mask
+from experiments.lib.fuzz_cases import (MAX_PROMPT, PROPOSERS, Case, cases, proposer_of,
+                                        random_policy)
+from experiments.lib.results import Result, Table, command_line, write
 from experiments.lib.workloads import oracle_engine_params
 from specroll_jax.rl.audit import NEAR_TIE_MARGIN, divergence_margin
 from specroll_jax.rollout.driver import Driver, RolloutConfig
-from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.drafter import DrafterConfig, DrafterParams, init_drafter
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
 from specroll_jax.speculative.factory import build_engine
-from specroll_jax.speculative.group_proposer import GroupDraftConfig, GroupProposer
-from specroll_jax.speculative.head_proposer import HeadDraftConfig, HeadProposer
-from specroll_jax.speculative.heads import HeadsConfig, init_heads
-from specroll_jax.speculative.oracle_proposer import OracleProposer
 from specroll_jax.speculative.tree import TreeConfig
-from experiments.lib.results import Result, Table, command_line, write
-
-PROPOSERS = ('heads', 'reflex', 'group', 'oracle', 'drafter', 'drafter_group')
-MAX_PROMPT, MAX_NEW = 12, 24
-# The gate open from the first feedback, with large corrections: proposals really move.
-OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
-# Short matches and chains, so these small runs find group drafts.
-GROUP = GroupDraftConfig(chains=2, chain_depth=4, min_match=1, max_match=8, matches=8)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  vocab_size: int
-  hidden_size: int
-  num_layers: int
-  attention: tuple      # (query heads, key/value heads)
-  tied: bool
-  peak: float           # scale of the final norm: larger = more peaked next-token laws
-  model_seed: int
-  heads_kind: str       # fresh | random | bad
-  branching: tuple      # candidates per draft head (its length = the number of heads)
-  proposer: str         # one of PROPOSERS
-  capacity_tokens: int
-  max_nodes: int
-  prompts: tuple        # tuples of token ids
-  num_samples: int
-  max_batch: int
-  max_new_tokens: int
-  eos: int              # -1 = no EOS
-  temperature: float    # 0 = greedy
-  top_k: int
-  top_p: float
-  seed: int
-
-  @property
-  def sampler(self) -> SamplerConfig:
-    return SamplerConfig(self.temperature, self.top_k, self.top_p)
-
-
-@st.composite
-def cases(draw) -> Case:
-  """The hypothesis strategy of fuzz cases."""
-  vocab = draw(st.sampled_from((64, 256, 512)))
-  prompts = draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=MAX_PROMPT)
-                          .map(tuple), min_size=1, max_size=4).map(tuple))
-  greedy = draw(st.booleans())
-  return Case(
-      vocab_size=vocab, hidden_size=draw(st.sampled_from((32, 64))),
-      num_layers=draw(st.integers(1, 2)),
-      attention=draw(st.sampled_from(((4, 4), (4, 2), (4, 1), (2, 2)))),
-      tied=draw(st.booleans()), peak=draw(st.sampled_from((1.0, 3.0, 8.0))),
-      model_seed=draw(st.integers(0, 2**16)),
-      heads_kind=draw(st.sampled_from(('fresh', 'random', 'bad'))),
-      branching=tuple(draw(st.lists(st.sampled_from((1, 2, 4, 8)), min_size=1, max_size=4))),
-      proposer=draw(st.sampled_from(PROPOSERS)),
-      capacity_tokens=draw(st.sampled_from((1, 4, 16, 64))),
-      max_nodes=draw(st.sampled_from((4, 16, 32))),
-      prompts=prompts, num_samples=draw(st.integers(1, 3)),
-      max_batch=draw(st.sampled_from((1, 2, 4, 8))),
-      max_new_tokens=draw(st.integers(1, MAX_NEW)),
-      eos=draw(st.one_of(st.just(-1), st.integers(0, 7))),
-      temperature=0.0 if greedy else draw(st.sampled_from((0.7, 1.0))),
-      top_k=0 if greedy else draw(st.sampled_from((0, 5, 20))),
-      top_p=1.0 if greedy else draw(st.sampled_from((1.0, 0.9))),
-      seed=draw(st.integers(0, 2**16)))
-
-
-def _forward_and_project(model: Transformer, tokens, positions, mask):
-  """Initialises every parameter, the untied output projection included."""
-  hidden, _ = model(tokens, positions, mask)
-  return model.project(hidden)
-
-
-def random_policy(case: Case) -> Policy:
-  """A random Llama (no tokenizer); the final norm's scale sets how peaked it is."""
-  heads, kv_heads = case.attention
-  config = ModelConfig(
-      architecture='LlamaForCausalLM', vocab_size=case.vocab_size,
-      hidden_size=case.hidden_size, intermediate_size=2 * case.hidden_size,
-      num_layers=case.num_layers, num_heads=heads, num_kv_heads=kv_heads,
-      head_dim=case.hidden_size // heads, max_position_embeddings=128, rms_norm_eps=1e-5,
-      rope=RopeConfig(), tie_word_embeddings=case.tied, qkv_bias=False, o_bias=False,
-      bos_token_id=None, eos_token_id=None)
-  tokens = jnp.zeros((1, 2), jnp.int32)
-  params = Transformer(config).init(jax.random.key(case.model_seed), tokens,
-                                    jnp.arange(2)[None], causal_mask(jnp.ones((1, 2), bool)),
-                                    method=_forward_and_project)['params']
-  return Policy(config=config, tokenizer=None,
-                params=dict(params, norm={'weight': params['norm']['weight'] * case.peak}))
-
-
-def _heads(case: Case, config: ModelConfig, heads_config: HeadsConfig):
-  params = init_heads(heads_config, config, seed=case.model_seed + 1)
-  if case.heads_kind == 'fresh':
-    return params
-  scale = {'random': 0.3, 'bad': 30.0}[case.heads_kind]
-  return dict(params, w2=jax.random.normal(jax.random.key(case.seed), params['w2'].shape) * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,42 +46,6 @@ class Outcome:
   seconds: float
 
 
-def _drafter_params(case: Case, config: ModelConfig, drafter: DrafterConfig) -> DrafterParams:
-  """Over a random half of the vocabulary; fresh, or its block's output scaled by noise."""
-  vocab = np.sort(np.random.default_rng(case.seed).permutation(config.vocab_size)[
-      :drafter.vocab_size(config)])
-  params = init_drafter(drafter, config, vocab, seed=case.model_seed + 1)
-  if case.heads_kind == 'fresh':
-    return params
-  scale = {'random': 0.3, 'bad': 30.0}[case.heads_kind]
-  down = params.weights['down']['kernel']
-  noise = jax.random.normal(jax.random.key(case.seed), down.shape) * scale
-  return params.replace(weights=dict(params.weights, down={'kernel': noise}))
-
-
-def _proposer(case: Case, config: ModelConfig):
-  """(the case's proposer, its parameters without the oracle's future)."""
-  if case.proposer.startswith('drafter'):
-    drafter = DrafterConfig(depth=len(case.branching), hidden_multiplier=1.0,
-                            draft_vocab_size=config.vocab_size // 2)
-    paths = spine_paths(case.branching)
-    if len(case.branching) > 1 and case.branching[0] > 1:
-      paths += ((1, 0),)  # off the spine: depth 1 expands two candidates
-    proposer = DrafterProposer(config, drafter, paths, case.sampler)
-    if case.proposer == 'drafter_group':
-      proposer = GroupProposer(GROUP, base=proposer)
-    return proposer, _drafter_params(case, config, drafter)
-  heads_config = HeadsConfig(num_heads=len(case.branching))
-  proposer = HeadProposer(config, heads_config, HeadDraftConfig(case.branching), case.sampler)
-  if case.proposer in ('reflex', 'group'):
-    proposer = ReflexProposer(proposer, OPEN_REFLEX)
-  if case.proposer == 'group':
-    proposer = GroupProposer(GROUP, base=proposer)
-  if case.proposer == 'oracle':
-    proposer = OracleProposer(proposer.depth, base=proposer)
-  return proposer, _heads(case, config, heads_config)
-
-
 def run_case(case: Case) -> Outcome:
   """Vanilla and SpecRoll on one case, and how their responses compare."""
   start = time.perf_counter()
@@ -199,7 +56,7 @@ def run_case(case: Case) -> Outcome:
   prompts = [list(p) for p in case.prompts]
   vanilla = Driver(build_engine(policy, 'vanilla', sampler, eos_ids=eos), rollout).generate(
       policy.params, prompts, case.num_samples, case.seed)
-  proposer, heads = _proposer(case, config)
+  proposer, heads = proposer_of(case, config)
   engine = build_engine(policy, 'specroll', sampler, proposer=proposer,
                         tree=TreeConfig(max_nodes=case.max_nodes,
                                         capacity_tokens=case.capacity_tokens), eos_ids=eos)

@@ -1,10 +1,11 @@
-"""Fuzzed exactness in the suite: a few cases of experiments.measure.fuzz_exactness's strategy
+"""Fuzzed exactness in the suite: a few cases of experiments.lib.fuzz_cases' strategy
 (random tiny policies, heads, proposers, budgets, batches, prompts, EOS and samplers). The
 long run (>= 200 cases) is the script; its results are in results/fuzz_exactness/."""
 import jax
 from hypothesis import HealthCheck, given, settings
 
-from experiments.measure.fuzz_exactness import cases, run_case
+from experiments.lib.fuzz_cases import cases
+from experiments.measure.fuzz_exactness import run_case
 
 
 # derandomize: the same cases on every run, so a red suite is reproducible; the script
