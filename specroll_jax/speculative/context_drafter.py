@@ -21,8 +21,10 @@ hidden states, never from a rejected node. Training sees the same keys in one pa
 that the walk accepts got exactly the law training taught (tests/speculative/
 test_context_drafter.py checks the two against each other).
 
-The policy's hidden state at the last layer is the only feature (EAGLE-3 fuses low, middle
-and high layers; the engine's verify forward returns the last layer alone, a known gap).
+h_j is the policy's final hidden state, or, with `feature_layers`, its fusion with those
+decoder layers' outputs at j (the sequential drafter's `first_state`: EAGLE-3's low, middle
+and high features), for the entries and the root alike; the engine captures the layers in
+every forward for such a proposer.
 """
 import dataclasses
 import math
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 
 from specroll_jax.model.config import ModelConfig
 from specroll_jax.model.transformer import apply_rope, rope_tables
-from specroll_jax.speculative.drafter import DrafterConfig, rms
+from specroll_jax.speculative.drafter import DrafterConfig, rms, without_fusion
 from specroll_jax.speculative.pairs import shifted
 
 CONTEXT_DRAFTER_FILE = 'context_drafter.safetensors'
@@ -53,10 +55,6 @@ class ContextDrafterConfig(DrafterConfig):
     super().__post_init__()
     if self.num_heads < 1:
       raise ValueError(f'ContextDrafterConfig: num_heads >= 1 required, got {self}')
-    if self.feature_layers:
-      raise ValueError(f'ContextDrafterConfig: feature_layers={self.feature_layers}: the '
-                       'context drafter reads h_t alone (only the sequential drafter fuses '
-                       'layer features)')
 
   @classmethod
   def from_block(cls, block: DrafterConfig, num_heads: int) -> 'ContextDrafterConfig':
@@ -67,8 +65,9 @@ class ContextDrafterConfig(DrafterConfig):
     dim = model_config.hidden_size
     z = jnp.zeros((1, 1, dim), jnp.float32)
     positions = jnp.zeros((1, 1), jnp.int32)
-    return ContextDrafterLayer(self, model_config).init(
-        jax.random.key(seed), z, z, positions, method=ContextDrafterLayer.initialize)['params']
+    return self.with_fusion(model_config, ContextDrafterLayer(self, model_config).init(
+        jax.random.key(seed), z, z, positions, method=ContextDrafterLayer.initialize)['params'],
+        seed)
 
   def teacher_forced_states(self, model_config: ModelConfig, weights, hidden, embedded,
                             valid) -> list:
@@ -78,7 +77,7 @@ class ContextDrafterConfig(DrafterConfig):
     layer = Layer(self, model_config, weights)
     batch, width = valid.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    entries = layer.entry(hidden, shifted(embedded, 1))
+    entries = layer.entry(self.first_state(model_config, weights, hidden), shifted(embedded, 1))
     keys, values = layer.keys_values(entries, positions)
     earlier = (jnp.arange(width)[None, :] < jnp.arange(width)[:, None])[None] & valid[:, None, :]
     chain_keys, chain_values = keys[:, :, None], values[:, :, None]
@@ -169,7 +168,7 @@ class Layer:
 
   def _apply(self, method, *args):
     return ContextDrafterLayer(self.config, self.model_config).apply(
-        {'params': self.weights}, *args, method=method)
+        {'params': without_fusion(self.weights)}, *args, method=method)
 
   def entry(self, z, embedded):
     return self._apply(ContextDrafterLayer.entry, z, embedded)

@@ -18,10 +18,13 @@ empty and are masked out, so later drafts see fewer earlier entries, never wrong
 the positions of a path that group drafts (group_proposer.py) accepted below this drafter's
 depth: its feedback is cut at its own depth.
 
+With `feature_layers`, h_n and the path's states are fused with those layers' outputs
+(`first_state`), read from the step's captured features.
+
 Reflex does not apply, for the sequential drafter's reason (drafter_proposer.py). The slow
-path would train the layer on the learner's harvested pairs with the same loss
-(adapt/drafter_training.py, which unrolls any drafter kind); no learned-proposer kind wires
-it into the trainer yet (WORKSPACE_NOTES.md, known gaps).
+path trains the layer (and its fusion) on the learner's harvested pairs with the sequential
+drafter's loss (adapt/drafter_training.py unrolls any drafter kind; rl/drafter_adaptation.py,
+ContextDrafterKind).
 """
 import dataclasses
 
@@ -29,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specroll_jax.model.transformer import final_hidden
 from specroll_jax.speculative.context_drafter import Layer
 from specroll_jax.speculative.drafter import DrafterParams
 from specroll_jax.speculative.drafter_proposer import DrafterProposer, take_slots
@@ -69,7 +71,8 @@ class ContextDrafterProposer(DrafterProposer):
     layer = Layer(self.config, self.model_config, params.weights)
     n = context.seqs.num_generated[:, None]  # [B, 1]: the root state's position
     visible = (state.filled & (jnp.arange(state.filled.shape[1])[None, :] < n))[:, None, :]
-    root_input = layer.entry(context.hidden[:, None], context.vocab.embed(context.root)[:, None])
+    h_n = self.config.first_state(self.model_config, params.weights, context.features)
+    root_input = layer.entry(h_n[:, None], context.vocab.embed(context.root)[:, None])
     root_key, root_value = layer.keys_values(root_input, n)
     chain = [root_key[:, :, None], root_value[:, :, None]]  # [B, E, depth, H, Dh] each
 
@@ -97,7 +100,8 @@ class ContextDrafterProposer(DrafterProposer):
     n = context.seqs.num_generated[:, None]
     # Entry n + i (i = 1..H) from the path's node at depth i - 1 and the token at depth i.
     positions = n + jnp.arange(1, depth + 1)[None, :]
-    hidden = final_hidden(self.model_config, feedback.path_features[:, :depth])
+    hidden = self.config.first_state(self.model_config, params.weights,
+                                     feedback.path_features[:, :depth])
     inputs = layer.entry(hidden, context.vocab.embed(feedback.drawn))
     k, v = layer.keys_values(inputs, positions)
     keys = jnp.concatenate([record.root_key[:, None], k], axis=1)  # [B, H + 1, H, Dh]

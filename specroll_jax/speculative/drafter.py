@@ -72,15 +72,21 @@ class DrafterConfig:
 
   def init_weights(self, model_config: ModelConfig, seed: int) -> dict:
     dummy = jnp.zeros((1, model_config.hidden_size), jnp.float32)
-    weights = DrafterBlock(self, model_config).init(jax.random.key(seed), dummy, dummy)['params']
+    return self.with_fusion(
+        model_config, DrafterBlock(self, model_config).init(jax.random.key(seed), dummy,
+                                                            dummy)['params'], seed)
+
+  def with_fusion(self, model_config: ModelConfig, weights: dict, seed: int) -> dict:
+    """A kind's fresh `weights` with a fresh feature fusion beside them (FEATURES), where the
+    drafter reads layer features; every kind fuses them the same way (`first_state`)."""
     if max(self.feature_layers, default=-1) >= model_config.num_layers:
       raise ValueError(f'{type(self).__name__}: feature_layers={self.feature_layers}, but the '
                        f'policy has {model_config.num_layers} decoder layers (0-based)')
-    if self.feature_layers:
-      features = jnp.zeros((1, (1 + len(self.feature_layers)) * model_config.hidden_size))
-      weights = {**weights, FEATURES: FeatureFusion(model_config).init(
-          jax.random.key(seed), features)['params']}
-    return weights
+    if not self.feature_layers:
+      return weights
+    features = jnp.zeros((1, (1 + len(self.feature_layers)) * model_config.hidden_size))
+    return {**weights, FEATURES: FeatureFusion(model_config).init(
+        jax.random.key(seed), features)['params']}
 
   def first_state(self, model_config: ModelConfig, weights, hidden):
     """z_0 [..., D] from the pairs' hidden: h_t, or h_t fused with the feature layers'."""
@@ -156,9 +162,14 @@ def init_drafter(config, model_config: ModelConfig, vocab_ids, seed: int = 0) ->
                        vocab_ids=jnp.asarray(vocab_ids, jnp.int32))
 
 
+def without_fusion(weights: dict) -> dict:
+  """A drafter's weights less its feature fusion: what its block or layer applies."""
+  return {name: w for name, w in weights.items() if name != FEATURES}
+
+
 def drafter_step(config: DrafterConfig, model_config: ModelConfig, weights, z, embedded):
-  block = {name: w for name, w in weights.items() if name != FEATURES}
-  return DrafterBlock(config, model_config).apply({'params': block}, z, embedded)
+  return DrafterBlock(config, model_config).apply({'params': without_fusion(weights)}, z,
+                                                  embedded)
 
 
 @dataclasses.dataclass(frozen=True)

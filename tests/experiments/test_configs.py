@@ -115,9 +115,12 @@ def test_proposers_are_checked_before_any_policy_is_loaded():
   c.drafter.model.feature_layers = (2, 15)
   run_config(c)  # its warm start's and harvests' pairs carry layers 2 and 15 beside h_t
   c.rollout.proposers = 'context_drafter,group'
+  run_config(c)  # the context kind fuses them the same way
+  c.drafter.context_heads = 0
   with pytest.raises(ValueError, match=r"config drafter.model: ContextDrafterConfig: "
-                                       r"feature_layers=\(2, 15\)"):
+                                       r"num_heads >= 1"):
     run_config(c)
+  c.drafter.context_heads = 4
   c.rollout.proposers = 'drafter,group'
   c.drafter.model.feature_layers = ()
   c.drafter.branching = (2, 2, 2, 2, 2)

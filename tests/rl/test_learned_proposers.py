@@ -13,7 +13,7 @@ from specroll_jax.rl.learned_proposers import KINDS, PROPOSERS, parse_proposers,
 from specroll_jax.rl.rollouts import make_proposer
 from specroll_jax.rl.run_config import run_config
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.drafter import init_drafter, save_drafter
+from specroll_jax.speculative.drafter import FEATURES, init_drafter, save_drafter
 from specroll_jax.speculative.group_proposer import GroupProposer
 from specroll_jax.speculative.heads import init_heads, save_heads
 
@@ -78,16 +78,19 @@ def test_a_saved_proposer_is_found_loaded_and_drafts_by_its_kind(kind, stories_p
   assert proposer.depth == 2
 
 
+@pytest.mark.parametrize('kind', ['drafter', 'context_drafter'])
 def test_a_run_s_drafter_reading_layer_features_gets_them_in_rollouts_and_pairs(
-    stories_policy, tmp_path):
-  """drafter.model.feature_layers: the run's proposer asks the engine for those layers (the
-  learner harvests them too: run.py), and the warm start's pairs carry them beside h_t, whose
-  part and targets are the plain pairs' bit for bit."""
+    stories_policy, tmp_path, kind):
+  """drafter.model.feature_layers, for either drafter kind: the run's proposer asks the
+  engine for those layers (the learner harvests them too: run.py), its warm start has a
+  fusion, and the warm start's pairs carry them beside h_t, whose part and targets are the
+  plain pairs' bit for bit."""
   policy = stories_policy
   c = get_config()
-  c.rollout.proposers, c.adaptation.mode, c.mesh.data = 'drafter,group', 'slow', 1
+  c.rollout.proposers, c.adaptation.mode, c.mesh.data = f'{kind},group', 'slow', 1
   c.drafter.model.feature_layers = (0,)
-  warm = _fresh('drafter', run_config(c), policy, tmp_path)
+  warm = _fresh(kind, run_config(c), policy, tmp_path)
+  assert FEATURES in warm.params.weights
   assert make_proposer(policy, run_config(c), warm).feature_layers == (0,)
   rows = [[1, 5, 9, 11, 40], [1, 7]]
   wide = distill.build_batch(policy.config, policy.params, rows, 6, 4, feature_layers=(0,))

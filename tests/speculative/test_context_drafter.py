@@ -1,5 +1,7 @@
 """The context-attending drafter: drafting equals training's teacher-forced pass, its cache holds
 exactly the accepted tokens, the engine stays exact with it, training teaches it, its files."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +33,16 @@ CONFIG = ContextDrafterConfig(depth=3, hidden_multiplier=1.0, draft_vocab_size=1
 PATHS = spine_paths((3, 3, 1))
 
 
-def _perturbed(policy, seed=1):
+def _with_layers(policy):
+  """CONFIG fusing the first and the last decoder layers' outputs with h_t."""
+  return dataclasses.replace(CONFIG, feature_layers=(0, policy.config.num_layers - 1))
+
+
+def _perturbed(policy, seed=1, config=CONFIG):
   """A layer over every other token id whose weights are all non-zero (zero-initialised
-  outputs would make attention invisible)."""
-  vocab_ids = np.arange(0, 2 * CONFIG.draft_vocab_size, 2)
-  params = init_drafter(CONFIG, policy.config, vocab_ids, seed=0)
+  outputs would make attention invisible; an unperturbed fusion would read h_t alone)."""
+  vocab_ids = np.arange(0, 2 * config.draft_vocab_size, 2)
+  params = init_drafter(config, policy.config, vocab_ids, seed=0)
   leaves, tree = jax.tree.flatten(params.weights)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   noisy = [w + 0.3 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
@@ -50,20 +57,25 @@ def _context(policy, hidden, root, n, length):
                      Vocabulary(policy.params, policy.config))
 
 
-def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_policy):
+@pytest.mark.parametrize('layers', [False, True], ids=['h_t', 'layer-features'])
+def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_policy, layers):
   """Steps accept 2, 0 and 1 nodes (writing entries 0-2, 3, 4-5 of a random response);
   the next step's spine drafts, depth by depth, the law that training's parallel pass
   computes at that position along the same tokens: the cache holds exactly the accepted
-  tokens' entries and the chain reads what training's chain reads."""
-  policy, length, depth = stories_policy, 12, CONFIG.depth
-  params = _perturbed(policy)
-  proposer = ContextDrafterProposer(policy.config, CONFIG, PATHS, SamplerConfig(temperature=1.0))
+  tokens' entries and the chain reads what training's chain reads; with layer features,
+  the root and the entries fuse the layers' outputs at their own positions."""
+  policy, length = stories_policy, 12
+  config = _with_layers(policy) if layers else CONFIG
+  depth = config.depth
+  params = _perturbed(policy, config=config)
+  proposer = ContextDrafterProposer(policy.config, config, PATHS, SamplerConfig(temperature=1.0))
   rng = np.random.default_rng(0)
   prompt = [policy.config.bos_token_id] + rng.integers(3, 200, 3).tolist()
   response = rng.integers(3, 200, 8).tolist()
   tokens = jnp.asarray([prompt + response], jnp.int32)
   # Span index j = position len(prompt) - 1 + j: entry j pairs h_j with x_{j+1}.
-  hidden = padded_sequence_hidden(policy.config, policy.params, tokens)[0][0, len(prompt) - 1:]
+  hidden = padded_sequence_hidden(policy.config, policy.params, tokens,
+                                  config.feature_layers)[0][0, len(prompt) - 1:]
   span = prompt[-1:] + response
   state = proposer.init(jnp.asarray([prompt]), _context(policy, hidden[0], 0, 0, length).seqs)
   n = 0
@@ -92,13 +104,13 @@ def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_pol
     """Training's states along the root and `drafted` tokens below it."""
     path_tokens = jnp.asarray([span[:n + 2] + drafted], jnp.int32)
     embedded = Vocabulary(policy.params, policy.config).embed(path_tokens)
-    return CONFIG.teacher_forced_states(policy.config, params.weights, padded, embedded,
+    return config.teacher_forced_states(policy.config, params.weights, padded, embedded,
                                         jnp.ones(path_tokens.shape, bool))
 
   states = teacher_forced(guesses)
   # A best-first tree (the two most probable paths expanded per depth) drafts each depth-3
   # candidate from its own path's chain: training's law along that path.
-  best_first = ContextDrafterProposer(policy.config, CONFIG, PATHS, proposer.sampler,
+  best_first = ContextDrafterProposer(policy.config, config, PATHS, proposer.sampler,
                                       expanded=(2, 2))
   grown = best_first.propose(params, state, context, depth).candidates
   parents = np.asarray(grown.parents()[0])
@@ -120,25 +132,29 @@ def test_drafts_equal_the_teacher_forced_pass_over_the_accepted_path(stories_pol
                                rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize('sampler,capacity,expanded', [
-    (SamplerConfig(temperature=0.0), 16, ()), (SamplerConfig(temperature=1.0), 64, ()),
-    (SamplerConfig(temperature=1.0), 64, (2, 2))], ids=['greedy', 'T=1', 'T=1-best-first'])
+@pytest.mark.parametrize('sampler,capacity,expanded,layers', [
+    (SamplerConfig(temperature=0.0), 16, (), False),
+    (SamplerConfig(temperature=1.0), 64, (), False),
+    (SamplerConfig(temperature=1.0), 64, (2, 2), False),
+    (SamplerConfig(temperature=1.0), 64, (2, 2), True)],
+    ids=['greedy', 'T=1', 'T=1-best-first', 'T=1-best-first-layer-features'])
 def test_speculative_with_the_context_drafter_equals_vanilla(stories_policy, sampler, capacity,
-                                                            expanded):
+                                                            expanded, layers):
   """A layer of noise over half the vocabulary (it proposes, it is rarely right) in rows
-  that finish at different lengths, on a static tree or one grown best-first per row:
-  tokens and log-probs are vanilla's."""
+  that finish at different lengths, on a static tree or one grown best-first per row,
+  reading h_t or layer features: tokens and log-probs are vanilla's."""
   policy = stories_policy
+  config = _with_layers(policy) if layers else CONFIG
   paths = spine_paths((4, 2, 2)) + (() if expanded else ((1, 0), (1, 1)))
-  proposer = ContextDrafterProposer(policy.config, CONFIG, paths, sampler, expanded=expanded)
+  proposer = ContextDrafterProposer(policy.config, config, paths, sampler, expanded=expanded)
   engine = SpecEngine(policy.config, proposer, TreeConfig(capacity_tokens=capacity,
                                                           max_nodes=16), sampler, (2,))
-  config = RolloutConfig(max_new_tokens=40, max_batch=8)
+  rollout = RolloutConfig(max_new_tokens=40, max_batch=8)
   prompts = [policy.tokenizer.encode(p) for p in ('Once upon a time', 'The cat sat on', 'Hi')]
-  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), config).generate(
+  vanilla = Driver(VanillaEngine(policy.config, sampler, (2,)), rollout).generate(
       policy.params, prompts, 2, 11)
-  spec = Driver(engine, config).generate(engine.params(policy.params, _perturbed(policy)),
-                                         prompts, 2, 11)
+  spec = Driver(engine, rollout).generate(
+      engine.params(policy.params, _perturbed(policy, config=config)), prompts, 2, 11)
   assert [r.token_ids for r in spec] == [r.token_ids for r in vanilla]
   for a, b in zip(spec, vanilla):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
