@@ -36,5 +36,6 @@ def get_config():
   # the sequential drafter's input, one trained variant per set (EAGLE-3: low and mid beside
   # the final state).
   c.feature_layer_sets = ((2, 15),)
+  c.feature_kinds = ('drafter',)  # and 'context_drafter': both fuse the layers at their input
   c.features_out_dir = 'results/drafts_w3/drafter_features'
   return c

@@ -12,17 +12,28 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments.lib.workloads import head_training_prompts
+from experiments.lib.workloads import drafter_config, head_training_prompts
 from specroll_jax.adapt.distill import WarmStart, generated_pairs
 from specroll_jax.adapt.drafter_training import (DrafterTraining, agreement_rates, train_drafter,
                                                  vocabulary_coverage)
 from specroll_jax.model.transformer import padded_sequence_features
+from specroll_jax.speculative.context_drafter import ContextDrafterConfig
+from specroll_jax.speculative.context_drafter_proposer import ContextDrafterProposer
 from specroll_jax.speculative.drafter import (DrafterMetadata, has_drafter, load_drafter,
                                               save_drafter)
+from specroll_jax.speculative.drafter_proposer import DrafterProposer
 from specroll_jax.speculative.pairs import DistillPairs
 
 FIELDS = [f.name for f in dataclasses.fields(DistillPairs)]
 FEATURE_ROWS = 8
+PROPOSERS = {'drafter': DrafterProposer, 'context_drafter': ContextDrafterProposer}
+
+
+def kinds(c) -> dict:
+  """The compared drafter kinds' configs, of one shape (c.drafter; c.context_heads)."""
+  sequential = drafter_config(c.drafter)
+  return {'drafter': sequential,
+          'context_drafter': ContextDrafterConfig.from_block(sequential, c.context_heads)}
 
 
 class SharedPairs:

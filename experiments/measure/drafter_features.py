@@ -1,12 +1,14 @@
-"""The sequential drafter reading several layers' features against the one reading h_t alone,
-trained on the same generations.
+"""Drafters reading several layers' features against those reading h_t alone, trained on the
+same generations (each kind of c.feature_kinds: the sequential drafter, the context-attending
+one).
 
   python -m experiments.measure.drafter_features --config=configs/drafter_kinds_w3.py
 
 EAGLE-3 fuses low, mid and high layers' hidden states into its drafter's input; our drafters
 read only the final state h_t (issue 46: "fused policy features, chosen by measurement").
 Each variant of c.feature_layer_sets fuses h_t with those decoder layers' outputs at z_0
-(speculative/drafter.py, FeatureFusion) and is trained with experiments.measure.
+(speculative/drafter.py, FeatureFusion; the context drafter fuses them the same way for its
+root and entries) and is trained with experiments.measure.
 drafter_kinds' recipe on the same pairs, draft vocabulary and seed (its h_t part bit for bit
 theirs), so the only difference is the input. Measured: held-out teacher-forced top-1
 agreement with the drawn token, and the policy's mass on the top-1 draft, per depth; then,
@@ -23,34 +25,34 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments.lib.draft_cells import proposing_costs, run_cell, step_costs
-from experiments.lib.drafter_recipes import SharedPairs, trained
+from experiments.lib.drafter_recipes import PROPOSERS, SharedPairs, kinds, trained
 from experiments.lib.results import Result, Table, command_line, write
-from experiments.lib.workloads import benchmark_prompts, drafter_config
+from experiments.lib.workloads import benchmark_prompts
 from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
 from specroll_jax.speculative.drafter import drafter_metadata
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
+from specroll_jax.speculative.drafter_proposer import spine_paths
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafter_kinds_w3.py')
 
 
-def variant_name(layers: tuple) -> str:
-  return 'drafter' + ''.join(f'_l{i}' for i in layers)
+def variant_name(kind: str, layers: tuple) -> str:
+  return kind + ''.join(f'_l{i}' for i in layers)
 
 
 def measure(c) -> dict:
   policy = load_policy(c.checkpoint, c.dtype)
   sampler = SamplerConfig(temperature=c.temperature)
-  base = drafter_config(c.drafter)
   records, built = {}, {}
-  for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets):
-    name = variant_name(layers)
-    config = dataclasses.replace(base, feature_layers=layers)
-    config, params = trained(policy, c, SharedPairs(policy, c, layers), name, config)
-    records[name] = dict(layers=layers, **dataclasses.asdict(
-        drafter_metadata(Path(c.kinds_dir) / name)))
-    built[name] = (DrafterProposer(policy.config, config, spine_paths(c.drafter_branching),
-                                   sampler), params)
+  for kind in c.feature_kinds:
+    for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets):
+      name = variant_name(kind, layers)
+      config = dataclasses.replace(kinds(c)[kind], feature_layers=layers)
+      config, params = trained(policy, c, SharedPairs(policy, c, layers), name, config)
+      records[name] = dict(layers=layers, **dataclasses.asdict(
+          drafter_metadata(Path(c.kinds_dir) / name, type(config))))
+      built[name] = (PROPOSERS[kind](policy.config, config, spine_paths(c.drafter_branching),
+                                     sampler), params)
   prompts = benchmark_prompts(policy, c)
   costs = proposing_costs(policy, c, built, prompts, sampler) if c.kinds_costs else {}
   steps = step_costs(policy, c, built, prompts, sampler) if c.kinds_costs else {}
@@ -84,7 +86,7 @@ def report(c, measured) -> Result:
           **{f'{n}_tau_{key.replace("/", "_b")}': cell[n]['tau']
              for key, cell in cells.items() for n in records}}
   return Result(
-      title='Sequential drafter with layer features on W3 (same generations)',
+      title='Drafters with layer features on W3 (same generations)',
       command=command_line('experiments.measure.drafter_features'), data=data,
       body=['Held-out teacher-forced top-1 agreement with the drawn token (the policy\'s mass '
             f'on the top-1 draft) per depth; {c.kinds_pairs.num_sequences} training answers, '

@@ -20,25 +20,15 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments.lib.draft_cells import proposing_costs, run_cell
-from experiments.lib.drafter_recipes import SharedPairs, trained
+from experiments.lib.drafter_recipes import PROPOSERS, SharedPairs, kinds, trained
 from experiments.lib.results import Result, Table, command_line, write
-from experiments.lib.workloads import benchmark_prompts, drafter_config
+from experiments.lib.workloads import benchmark_prompts
 from specroll_jax import load_policy
 from specroll_jax.rollout.sampling import SamplerConfig
-from specroll_jax.speculative.context_drafter import ContextDrafterConfig
-from specroll_jax.speculative.context_drafter_proposer import ContextDrafterProposer
 from specroll_jax.speculative.drafter import drafter_metadata
-from specroll_jax.speculative.drafter_proposer import DrafterProposer, spine_paths
+from specroll_jax.speculative.drafter_proposer import spine_paths
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/drafter_kinds_w3.py')
-PROPOSERS = {'drafter': DrafterProposer, 'context_drafter': ContextDrafterProposer}
-
-
-def kinds(c) -> dict:
-  sequential = drafter_config(c.drafter)
-  return {'drafter': sequential,
-          'context_drafter': ContextDrafterConfig.from_block(sequential, c.context_heads)}
-
 
 def measure(c) -> dict:
   policy = load_policy(c.checkpoint, c.dtype)
