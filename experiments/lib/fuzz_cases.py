@@ -91,8 +91,10 @@ def cases(draw) -> Case:
   greedy = draw(st.booleans())
   num_layers = draw(st.integers(1, 2))
   branching = tuple(draw(st.lists(st.sampled_from((1, 2, 4, 8)), min_size=1, max_size=4)))
-  # Hypothesis leans towards the first of a sampled_from (heads were 106 of 200 cases); the
-  # residue of a wide integer spreads the cases evenly over the proposers.
+  # A wide integer's residue picks the proposer. Hypothesis leans towards small integers as
+  # it does towards the first of a sampled_from, so this did not even the draw out: at seed 0
+  # the heads got 126 of 200 cases and the four drafter proposers 3-11 each
+  # (results/fuzz_exactness).
   proposer = PROPOSERS[draw(st.integers(0, 2**16)) % len(PROPOSERS)]
   feature_layers, expanded = _drafter_tree(draw, proposer, branching, num_layers)
   return Case(
