@@ -32,6 +32,9 @@ MAX_PROMPT, MAX_NEW = 12, 24
 OPEN_REFLEX = ReflexConfig(gate_threshold=-1.0, step_size=1.0, max_correction=1.0)
 # Short matches and chains, so these small runs find group drafts.
 GROUP = GroupDraftConfig(chains=2, chain_depth=4, min_match=1, max_match=8, matches=8)
+# The noise that replaces (heads, the drafter's block output) or perturbs (a drafter's fusion)
+# fresh weights, by heads_kind.
+NOISE_SCALES = {'random': 0.3, 'bad': 30.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,7 @@ def _heads(case: Case, config: ModelConfig, heads_config: HeadsConfig):
   params = init_heads(heads_config, config, seed=case.model_seed + 1)
   if case.heads_kind == 'fresh':
     return params
-  scale = {'random': 0.3, 'bad': 30.0}[case.heads_kind]
+  scale = NOISE_SCALES[case.heads_kind]
   return dict(params, w2=jax.random.normal(jax.random.key(case.seed), params['w2'].shape) * scale)
 
 
@@ -156,7 +159,7 @@ def _drafter_params(case: Case, config: ModelConfig, drafter: DrafterConfig) -> 
   params = init_drafter(drafter, config, vocab, seed=case.model_seed + 1)
   if case.heads_kind == 'fresh':
     return params
-  scale = {'random': 0.3, 'bad': 30.0}[case.heads_kind]
+  scale = NOISE_SCALES[case.heads_kind]
   down_key, fusion_key = jax.random.split(jax.random.key(case.seed))
   weights = dict(params.weights, down={'kernel': jax.random.normal(
       down_key, params.weights['down']['kernel'].shape) * scale})

@@ -44,11 +44,15 @@ def measure(c) -> dict:
   policy = load_policy(c.checkpoint, c.dtype)
   sampler = SamplerConfig(temperature=c.temperature)
   records, built = {}, {}
+  # One set of pairs per layer set, shared by the kinds: widening them is a forward per row.
+  pairs = {layers: SharedPairs(policy, c, layers)
+           for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets)}
+  shapes = kinds(c)
   for kind in c.feature_kinds:
-    for layers in ((),) + tuple(tuple(s) for s in c.feature_layer_sets):
+    for layers, shared in pairs.items():
       name = variant_name(kind, layers)
-      config = dataclasses.replace(kinds(c)[kind], feature_layers=layers)
-      config, params = trained(policy, c, SharedPairs(policy, c, layers), name, config)
+      config = dataclasses.replace(shapes[kind], feature_layers=layers)
+      config, params = trained(policy, c, shared, name, config)
       records[name] = dict(layers=layers, **dataclasses.asdict(
           drafter_metadata(Path(c.kinds_dir) / name, type(config))))
       built[name] = (PROPOSERS[kind](policy.config, config, spine_paths(c.drafter_branching),

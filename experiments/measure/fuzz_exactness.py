@@ -15,7 +15,8 @@ Greedy cases must be token-identical. A sampled response may differ only where a
 near-tie explains it: the contract's draw margin at its first differing token, from a
 third forward, is below `audit.NEAR_TIE_MARGIN`; anything else is a contract break. The
 cases come from one hypothesis strategy (experiments/lib/fuzz_cases.py), which
-`tests/speculative/test_fuzz_exactness.py` also runs (a few cases per suite run); this script runs many and commits what it saw.
+`tests/speculative/test_fuzz_exactness.py` also runs (a few cases per suite run); this
+script runs many and commits what it saw.
 """
 import dataclasses
 import time
